@@ -1,0 +1,439 @@
+//! The command-line client (`dedupd claim|commit|release|renew|lookup|
+//! forget`): one call to a running sidecar, its answer printed for a person
+//! or, with `--json`, for a script. `dedupd claim` exits with a code per
+//! outcome so shell consumers can branch on it.
+
+use std::time::{Duration, SystemTime};
+
+use clap::{Args, Subcommand};
+use serde_json::{json, Value};
+use tonic::{transport::Channel, Code, Status};
+use tonic_types::StatusExt;
+
+use crate::proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient};
+
+/// Exit code of `dedupd claim` for each outcome (0 is CLAIMED).
+pub mod exit_code {
+    /// The call failed (connection, invalid argument, lost lease, ...).
+    pub const ERROR: i32 = 1;
+    /// DUPLICATE.
+    pub const DUPLICATE: i32 = 10;
+    /// IN_PROGRESS.
+    pub const IN_PROGRESS: i32 = 11;
+    /// FINGERPRINT_MISMATCH.
+    pub const FINGERPRINT_MISMATCH: i32 = 12;
+    /// STALE.
+    pub const STALE: i32 = 13;
+}
+
+/// Options every client command takes.
+#[derive(Debug, Clone, Args)]
+pub struct Connection {
+    /// The sidecar's address.
+    #[arg(long, env = "DEDUPD_ADDR", default_value = "http://127.0.0.1:50051")]
+    pub addr: String,
+    /// Namespace (empty: the server's default namespace).
+    #[arg(short = 'n', long, default_value = "")]
+    pub namespace: String,
+    /// Print the answer as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The client commands.
+#[derive(Debug, Subcommand)]
+pub enum ClientCommand {
+    /// Claim a correlation ID before processing its event.
+    Claim {
+        #[command(flatten)]
+        connection: Connection,
+        /// The producer's correlation ID.
+        correlation_id: String,
+        /// Lease (e.g. 30s); default: the server's.
+        #[arg(long)]
+        lease_ttl: Option<humantime::Duration>,
+        /// Retention (e.g. 7days); default: the namespace's or server's.
+        #[arg(long)]
+        retention: Option<humantime::Duration>,
+        /// Event type, kept for lookup.
+        #[arg(long, default_value = "")]
+        event_type: String,
+        /// Consumer version, kept for lookup.
+        #[arg(long, default_value = "")]
+        consumer_version: String,
+        /// Who is claiming (e.g. the pod name).
+        #[arg(long, default_value = "")]
+        owner: String,
+        /// Payload fingerprint (e.g. a hex SHA-256).
+        #[arg(long, default_value = "")]
+        fingerprint: String,
+        /// Ordering key for the ordering guard (needs --sequence).
+        #[arg(long, default_value = "", requires = "sequence")]
+        ordering_key: String,
+        /// Sequence within the ordering key.
+        #[arg(long)]
+        sequence: Option<u64>,
+    },
+    /// Commit a claim after the business write.
+    Commit {
+        #[command(flatten)]
+        connection: Connection,
+        /// The correlation ID.
+        correlation_id: String,
+        /// The lease token printed by `claim`.
+        #[arg(long)]
+        lease_token: String,
+        /// Response to cache for duplicates.
+        #[arg(long, default_value = "")]
+        response: String,
+        /// Retention overriding the claim's.
+        #[arg(long)]
+        retention: Option<humantime::Duration>,
+    },
+    /// Release a claim after a failure, so a redelivery can retry at once.
+    Release {
+        #[command(flatten)]
+        connection: Connection,
+        /// The correlation ID.
+        correlation_id: String,
+        /// The lease token printed by `claim`.
+        #[arg(long)]
+        lease_token: String,
+    },
+    /// Extend a claim's lease.
+    Renew {
+        #[command(flatten)]
+        connection: Connection,
+        /// The correlation ID.
+        correlation_id: String,
+        /// The lease token printed by `claim`.
+        #[arg(long)]
+        lease_token: String,
+        /// New lease from now; default: the server's.
+        #[arg(long)]
+        lease_ttl: Option<humantime::Duration>,
+    },
+    /// Show the record of a correlation ID.
+    Lookup {
+        #[command(flatten)]
+        connection: Connection,
+        /// The correlation ID.
+        correlation_id: String,
+    },
+    /// Delete a correlation ID so its event can be processed again.
+    Forget {
+        #[command(flatten)]
+        connection: Connection,
+        /// The correlation ID.
+        correlation_id: String,
+    },
+}
+
+/// Runs one client command; returns the process exit code.
+pub async fn run(command: ClientCommand) -> i32 {
+    let connection = match &command {
+        ClientCommand::Claim { connection, .. }
+        | ClientCommand::Commit { connection, .. }
+        | ClientCommand::Release { connection, .. }
+        | ClientCommand::Renew { connection, .. }
+        | ClientCommand::Lookup { connection, .. }
+        | ClientCommand::Forget { connection, .. } => connection.clone(),
+    };
+    match call(command, &connection).await {
+        Ok((code, answer)) => {
+            print_answer(&answer, connection.json);
+            code
+        }
+        Err(status) => {
+            print_error(&status, connection.json);
+            exit_code::ERROR
+        }
+    }
+}
+
+async fn call(command: ClientCommand, connection: &Connection) -> Result<(i32, Value), Status> {
+    let mut client = connect(&connection.addr).await?;
+    let namespace = connection.namespace.clone();
+    let proto_duration = |d: Option<humantime::Duration>| d.map(|d| crate::api::duration(d.into()));
+    match command {
+        ClientCommand::Claim {
+            correlation_id,
+            lease_ttl,
+            retention,
+            event_type,
+            consumer_version,
+            owner,
+            fingerprint,
+            ordering_key,
+            sequence,
+            ..
+        } => {
+            let answer = client
+                .claim(pb::ClaimRequest {
+                    namespace,
+                    correlation_id,
+                    lease_ttl: proto_duration(lease_ttl),
+                    retention: proto_duration(retention),
+                    event_type,
+                    consumer_version,
+                    owner,
+                    payload_fingerprint: fingerprint,
+                    ordering_key,
+                    sequence,
+                })
+                .await?
+                .into_inner();
+            Ok(claim_answer(&answer))
+        }
+        ClientCommand::Commit {
+            correlation_id,
+            lease_token,
+            response,
+            retention,
+            ..
+        } => {
+            let answer = client
+                .commit(pb::CommitRequest {
+                    namespace,
+                    correlation_id,
+                    lease_token,
+                    response: response.into_bytes(),
+                    retention: proto_duration(retention),
+                })
+                .await?
+                .into_inner();
+            let mut value = json!({ "outcome": commit_outcome_name(answer.outcome) });
+            if let Some(record) = &answer.record {
+                value["record"] = record_json(record);
+            }
+            Ok((0, value))
+        }
+        ClientCommand::Release {
+            correlation_id,
+            lease_token,
+            ..
+        } => {
+            let answer = client
+                .release(pb::ReleaseRequest {
+                    namespace,
+                    correlation_id,
+                    lease_token,
+                })
+                .await?
+                .into_inner();
+            let outcome = pb::ReleaseOutcome::try_from(answer.outcome).map_or("UNKNOWN", |o| {
+                o.as_str_name().trim_start_matches("RELEASE_OUTCOME_")
+            });
+            Ok((0, json!({ "outcome": outcome })))
+        }
+        ClientCommand::Renew {
+            correlation_id,
+            lease_token,
+            lease_ttl,
+            ..
+        } => {
+            let answer = client
+                .renew(pb::RenewRequest {
+                    namespace,
+                    correlation_id,
+                    lease_token,
+                    lease_ttl: proto_duration(lease_ttl),
+                })
+                .await?
+                .into_inner();
+            Ok((
+                0,
+                json!({ "outcome": "RENEWED", "lease_expires_at": time_json(answer.lease_expires_at.as_ref()) }),
+            ))
+        }
+        ClientCommand::Lookup { correlation_id, .. } => {
+            let answer = client
+                .lookup(pb::LookupRequest {
+                    namespace,
+                    correlation_id,
+                })
+                .await?
+                .into_inner();
+            let mut value = json!({ "found": answer.found });
+            if let Some(record) = &answer.record {
+                value["record"] = record_json(record);
+            }
+            Ok((0, value))
+        }
+        ClientCommand::Forget { correlation_id, .. } => {
+            let answer = client
+                .forget(pb::ForgetRequest {
+                    namespace,
+                    correlation_id,
+                })
+                .await?
+                .into_inner();
+            Ok((0, json!({ "existed": answer.existed })))
+        }
+    }
+}
+
+async fn connect(addr: &str) -> Result<ClaimAndCommitClient<Channel>, Status> {
+    let uri = if addr.contains("://") {
+        addr.to_owned()
+    } else {
+        format!("http://{addr}")
+    };
+    let endpoint = Channel::from_shared(uri)
+        .map_err(|e| Status::invalid_argument(format!("--addr {addr:?}: {e}")))?
+        .connect_timeout(Duration::from_secs(5));
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|e| Status::unavailable(format!("cannot connect to {addr}: {e}")))?;
+    Ok(ClaimAndCommitClient::new(channel))
+}
+
+fn claim_answer(answer: &pb::ClaimResponse) -> (i32, Value) {
+    let outcome =
+        pb::ClaimOutcome::try_from(answer.outcome).unwrap_or(pb::ClaimOutcome::Unspecified);
+    let mut value =
+        json!({ "outcome": outcome.as_str_name().trim_start_matches("CLAIM_OUTCOME_") });
+    let code = match outcome {
+        pb::ClaimOutcome::Claimed => {
+            value["lease_token"] = json!(answer.lease_token);
+            value["fencing_token"] = json!(answer.fencing_token);
+            value["attempt"] = json!(answer.attempt);
+            value["recovered"] = json!(answer.recovered);
+            value["lease_expires_at"] = time_json(answer.lease_expires_at.as_ref());
+            0
+        }
+        pb::ClaimOutcome::Duplicate => exit_code::DUPLICATE,
+        pb::ClaimOutcome::InProgress => {
+            value["retry_after"] = answer
+                .retry_after
+                .and_then(|d| Duration::try_from(d).ok())
+                .map_or(Value::Null, |d| {
+                    json!(humantime::format_duration(d).to_string())
+                });
+            exit_code::IN_PROGRESS
+        }
+        pb::ClaimOutcome::FingerprintMismatch => exit_code::FINGERPRINT_MISMATCH,
+        pb::ClaimOutcome::Stale => {
+            value["highest_committed_sequence"] = json!(answer.highest_committed_sequence);
+            exit_code::STALE
+        }
+        pb::ClaimOutcome::Unspecified => exit_code::ERROR,
+    };
+    if outcome != pb::ClaimOutcome::Claimed {
+        if let Some(record) = &answer.record {
+            value["record"] = record_json(record);
+        }
+    }
+    (code, value)
+}
+
+fn commit_outcome_name(outcome: i32) -> &'static str {
+    pb::CommitOutcome::try_from(outcome).map_or("UNKNOWN", |o| {
+        o.as_str_name().trim_start_matches("COMMIT_OUTCOME_")
+    })
+}
+
+fn time_json(at: Option<&prost_types::Timestamp>) -> Value {
+    at.and_then(|at| SystemTime::try_from(*at).ok())
+        .map_or(Value::Null, |at| {
+            json!(humantime::format_rfc3339_millis(at).to_string())
+        })
+}
+
+fn record_json(record: &pb::Record) -> Value {
+    let state = pb::RecordState::try_from(record.state).map_or("UNKNOWN", |s| {
+        s.as_str_name().trim_start_matches("RECORD_STATE_")
+    });
+    let mut value = json!({
+        "namespace": record.namespace,
+        "correlation_id": record.correlation_id,
+        "state": state,
+        "fencing_token": record.fencing_token,
+        "attempt": record.attempt,
+        "event_type": record.event_type,
+        "consumer_version": record.consumer_version,
+        "owner": record.owner,
+        "payload_fingerprint": record.payload_fingerprint,
+        "claimed_at": time_json(record.claimed_at.as_ref()),
+        "lease_expires_at": time_json(record.lease_expires_at.as_ref()),
+        "committed_at": time_json(record.committed_at.as_ref()),
+        "retain_until": time_json(record.retain_until.as_ref()),
+    });
+    match std::str::from_utf8(&record.response) {
+        Ok(text) => value["response"] = json!(text),
+        Err(_) => {
+            let hex: String = record.response.iter().map(|b| format!("{b:02x}")).collect();
+            value["response_hex"] = json!(hex);
+        }
+    }
+    if !record.ordering_key.is_empty() {
+        value["ordering_key"] = json!(record.ordering_key);
+        value["sequence"] = json!(record.sequence);
+    }
+    value
+}
+
+fn print_answer(answer: &Value, as_json: bool) {
+    if as_json {
+        println!("{answer}");
+        return;
+    }
+    print_fields(answer, "");
+}
+
+fn print_fields(value: &Value, indent: &str) {
+    let Value::Object(fields) = value else {
+        return;
+    };
+    for (name, field) in fields {
+        match field {
+            Value::Object(_) => {
+                println!("{indent}{name}:");
+                print_fields(field, &format!("{indent}  "));
+            }
+            Value::String(text) => println!("{indent}{name}: {text}"),
+            Value::Null => {}
+            other => println!("{indent}{name}: {other}"),
+        }
+    }
+}
+
+fn print_error(status: &Status, as_json: bool) {
+    let details = status.get_error_details();
+    let violations: Vec<(String, String)> = details
+        .bad_request()
+        .map(|bad| {
+            bad.field_violations
+                .iter()
+                .map(|v| (v.field.clone(), v.description.clone()))
+                .collect()
+        })
+        .unwrap_or_default();
+    let reason = details.error_info().map(|info| info.reason.clone());
+    if as_json {
+        let value = json!({
+            "error": format!("{:?}", status.code()),
+            "message": status.message(),
+            "reason": reason,
+            "field_violations": violations
+                .iter()
+                .map(|(field, description)| json!({"field": field, "description": description}))
+                .collect::<Vec<_>>(),
+        });
+        eprintln!("{value}");
+        return;
+    }
+    let code = match status.code() {
+        Code::InvalidArgument => "INVALID_ARGUMENT",
+        Code::FailedPrecondition => "FAILED_PRECONDITION",
+        Code::Unavailable => "UNAVAILABLE",
+        Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+        Code::Internal => "INTERNAL",
+        _ => "ERROR",
+    };
+    eprintln!("error: {code}: {}", status.message());
+    for (field, description) in violations {
+        eprintln!("  {field}: {description}");
+    }
+}

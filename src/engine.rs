@@ -1,0 +1,233 @@
+//! The engine: runs each validated request through the state machine on the
+//! store and waits for durability before answering. Handlers for every face
+//! (gRPC today) call only this.
+
+use std::{fmt, sync::Arc};
+
+use crate::{
+    clock::{Clock, UnixMillis},
+    domain::{
+        ClaimOutcome, ClaimRequest, CommitOutcome, CommitRequest, Key, LeaseLost, LeaseToken,
+        OrderingScope, Record, ReleaseOutcome, ReleaseRequest, RenewRequest,
+    },
+    error::Error,
+    machine,
+    store::Store,
+};
+
+/// The deduplication engine over one store.
+pub struct Engine<S> {
+    store: Arc<S>,
+    clock: Arc<dyn Clock>,
+}
+
+impl<S> fmt::Debug for Engine<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Engine")
+            .field("clock", &self.clock)
+            .finish()
+    }
+}
+
+impl<S> Clone for Engine<S> {
+    fn clone(&self) -> Self {
+        Engine {
+            store: Arc::clone(&self.store),
+            clock: Arc::clone(&self.clock),
+        }
+    }
+}
+
+impl<S: Store> Engine<S> {
+    /// An engine over `store`, telling time by `clock`.
+    pub fn new(store: Arc<S>, clock: Arc<dyn Clock>) -> Self {
+        Engine { store, clock }
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<S> {
+        &self.store
+    }
+
+    /// The current time by the engine's clock.
+    pub fn now(&self) -> UnixMillis {
+        self.clock.now()
+    }
+
+    /// Claim one key.
+    pub async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, Error> {
+        let outcome = self.claim_unsynced(request).await?;
+        self.store.durable().await?;
+        Ok(outcome)
+    }
+
+    /// Claim many keys, in order, with one wait for durability.
+    pub async fn claim_batch(&self, requests: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, Error> {
+        let mut outcomes = Vec::with_capacity(requests.len());
+        for request in requests {
+            outcomes.push(self.claim_unsynced(request).await?);
+        }
+        self.store.durable().await?;
+        Ok(outcomes)
+    }
+
+    /// Commit one claim; a lost lease is an error.
+    pub async fn commit(&self, request: &CommitRequest) -> Result<CommitOutcome, Error> {
+        let outcome = self.commit_unsynced(request).await?;
+        self.store.durable().await?;
+        outcome.map_err(|LeaseLost| lease_lost(&request.key))
+    }
+
+    /// Commit many claims, in order, with one wait for durability; a lost
+    /// lease is an item's outcome.
+    pub async fn commit_batch(
+        &self,
+        requests: &[CommitRequest],
+    ) -> Result<Vec<Result<CommitOutcome, LeaseLost>>, Error> {
+        let mut outcomes = Vec::with_capacity(requests.len());
+        for request in requests {
+            outcomes.push(self.commit_unsynced(request).await?);
+        }
+        self.store.durable().await?;
+        Ok(outcomes)
+    }
+
+    /// Release one claim; a lost lease is an error.
+    pub async fn release(&self, request: &ReleaseRequest) -> Result<ReleaseOutcome, Error> {
+        let outcome = self.release_unsynced(request).await?;
+        self.store.durable().await?;
+        outcome.map_err(|LeaseLost| lease_lost(&request.key))
+    }
+
+    /// Release many claims, in order, with one wait for durability.
+    pub async fn release_batch(
+        &self,
+        requests: &[ReleaseRequest],
+    ) -> Result<Vec<Result<ReleaseOutcome, LeaseLost>>, Error> {
+        let mut outcomes = Vec::with_capacity(requests.len());
+        for request in requests {
+            outcomes.push(self.release_unsynced(request).await?);
+        }
+        self.store.durable().await?;
+        Ok(outcomes)
+    }
+
+    /// Extend a claim's lease; returns the new expiry.
+    pub async fn renew(&self, request: &RenewRequest) -> Result<UnixMillis, Error> {
+        let now = self.clock.now();
+        let outcome = self
+            .store
+            .update(&request.key, |current, _| {
+                Ok(machine::renew(current, request, now))
+            })
+            .await?;
+        self.store.durable().await?;
+        outcome.map_err(|LeaseLost| lease_lost(&request.key))
+    }
+
+    /// The live record of `key`, if any.
+    pub async fn lookup(&self, key: &Key) -> Result<Option<Record>, Error> {
+        let now = self.clock.now();
+        let record = self.store.get(key).await?;
+        // What we read may be someone's not yet durable write.
+        self.store.durable().await?;
+        Ok(machine::live(record.as_ref(), now).cloned())
+    }
+
+    /// Delete `key`; true if a live record existed.
+    pub async fn forget(&self, key: &Key) -> Result<bool, Error> {
+        let now = self.clock.now();
+        let existed = self
+            .store
+            .update(key, |current, _| Ok(machine::forget(current, now)))
+            .await?;
+        self.store.durable().await?;
+        Ok(existed)
+    }
+
+    async fn claim_unsynced(&self, request: &ClaimRequest) -> Result<ClaimOutcome, Error> {
+        let now = self.clock.now();
+        let highest_committed_sequence = match &request.ordering {
+            Some(position) => {
+                let scope = OrderingScope {
+                    namespace: request.key.namespace().to_owned(),
+                    ordering_key: position.ordering_key.clone(),
+                };
+                let mark = self.store.get_mark(&scope).await?;
+                machine::live_mark(mark, now).map(|mark| mark.highest)
+            }
+            None => None,
+        };
+        let lease_token = LeaseToken::random();
+        self.store
+            .update(&request.key, |current, issue_fencing| {
+                machine::claim(
+                    current,
+                    request,
+                    now,
+                    lease_token,
+                    highest_committed_sequence,
+                    issue_fencing,
+                )
+            })
+            .await
+    }
+
+    async fn commit_unsynced(
+        &self,
+        request: &CommitRequest,
+    ) -> Result<Result<CommitOutcome, LeaseLost>, Error> {
+        let now = self.clock.now();
+        let outcome = self
+            .store
+            .update(&request.key, |current, _| {
+                Ok(machine::commit(current, request, now))
+            })
+            .await?;
+        if let Ok(committed) = &outcome {
+            // Also on ALREADY_COMMITTED: if we crashed between the record and
+            // the mark, the client's retry is what raises the mark.
+            self.raise_mark(&request.key, committed.record(), now)
+                .await?;
+        }
+        Ok(outcome)
+    }
+
+    async fn release_unsynced(
+        &self,
+        request: &ReleaseRequest,
+    ) -> Result<Result<ReleaseOutcome, LeaseLost>, Error> {
+        let now = self.clock.now();
+        self.store
+            .update(&request.key, |current, _| {
+                Ok(machine::release(current, request, now))
+            })
+            .await
+    }
+
+    async fn raise_mark(
+        &self,
+        key: &Key,
+        committed: &Record,
+        now: UnixMillis,
+    ) -> Result<(), Error> {
+        let Some(position) = &committed.ordering else {
+            return Ok(());
+        };
+        let scope = OrderingScope {
+            namespace: key.namespace().to_owned(),
+            ordering_key: position.ordering_key.clone(),
+        };
+        self.store
+            .update_mark(&scope, |current| {
+                machine::raise_mark(current, committed, now)
+            })
+            .await
+    }
+}
+
+fn lease_lost(key: &Key) -> Error {
+    Error::LeaseLost {
+        key: key.to_string(),
+    }
+}

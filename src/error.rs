@@ -1,0 +1,136 @@
+//! The one error type of dedupd and its one mapping to gRPC status codes.
+//!
+//! Business outcomes (DUPLICATE, IN_PROGRESS, ...) are not errors; these are
+//! malformed calls and store faults. Internal faults reach the client as a
+//! generic message and are logged here, once, in full.
+
+use std::io;
+
+use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt};
+
+/// One problem with one request field, named as in the proto
+/// (`items[3].correlation_id`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldViolation {
+    /// The field's path in the request.
+    pub field: String,
+    /// What is wrong and what is allowed.
+    pub description: String,
+}
+
+impl FieldViolation {
+    /// A violation of `field`.
+    pub fn new(field: impl Into<String>, description: impl Into<String>) -> Self {
+        FieldViolation {
+            field: field.into(),
+            description: description.into(),
+        }
+    }
+}
+
+/// Everything that can go wrong in dedupd.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The request is malformed or over a limit.
+    #[error("invalid argument: {}", describe(.0))]
+    InvalidArgument(Vec<FieldViolation>),
+    /// Commit, Release or Renew with a lease token that no longer holds the key.
+    #[error("lease lost for {key}")]
+    LeaseLost {
+        /// The key, as `namespace/correlation_id`.
+        key: String,
+    },
+    /// The disk is full: nothing was written.
+    #[error("disk full: {0}")]
+    DiskFull(#[source] io::Error),
+    /// The store cannot serve right now (failed sync, shutting down).
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    /// An I/O fault in the store.
+    #[error("store I/O error: {0}")]
+    Io(#[source] io::Error),
+    /// The store reported a fault of its own.
+    #[error("store error: {0}")]
+    Store(String),
+    /// The gRPC server itself failed (bind, transport, reflection set-up).
+    #[error("server error: {0}")]
+    Server(String),
+    /// A stored record could not be decoded.
+    #[error("corrupt record: {0}")]
+    Corrupt(String),
+}
+
+fn describe(violations: &[FieldViolation]) -> String {
+    violations
+        .iter()
+        .map(|v| format!("{}: {}", v.field, v.description))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+impl From<io::Error> for Error {
+    fn from(error: io::Error) -> Self {
+        if error.kind() == io::ErrorKind::StorageFull {
+            Error::DiskFull(error)
+        } else {
+            Error::Io(error)
+        }
+    }
+}
+
+impl From<sled::Error> for Error {
+    fn from(error: sled::Error) -> Self {
+        match error {
+            sled::Error::Io(io_error) => io_error.into(),
+            sled::Error::Corruption { .. } => Error::Corrupt(error.to_string()),
+            sled::Error::CollectionNotFound(_)
+            | sled::Error::Unsupported(_)
+            | sled::Error::ReportableBug(_) => Error::Store(error.to_string()),
+        }
+    }
+}
+
+/// The reason in the `google.rpc.ErrorInfo` of a lost lease.
+pub const LEASE_LOST_REASON: &str = "LEASE_LOST";
+/// The domain in dedupd's `google.rpc.ErrorInfo` details.
+pub const ERROR_DOMAIN: &str = "dedupd.io";
+
+impl From<Error> for Status {
+    fn from(error: Error) -> Status {
+        match error {
+            Error::InvalidArgument(violations) => {
+                let message = describe(&violations);
+                let mut details = ErrorDetails::new();
+                for violation in violations {
+                    details.add_bad_request_violation(violation.field, violation.description);
+                }
+                Status::with_error_details(Code::InvalidArgument, message, details)
+            }
+            Error::LeaseLost { key } => {
+                let details = ErrorDetails::with_error_info(
+                    LEASE_LOST_REASON,
+                    ERROR_DOMAIN,
+                    [("key".to_owned(), key.clone())],
+                );
+                Status::with_error_details(
+                    Code::FailedPrecondition,
+                    format!("LEASE_LOST: the lease token no longer holds {key}"),
+                    details,
+                )
+            }
+            Error::DiskFull(source) => {
+                tracing::error!(error = %source, "disk full");
+                Status::resource_exhausted("disk full: the change was not stored")
+            }
+            Error::Unavailable(reason) => {
+                tracing::warn!(%reason, "store unavailable");
+                Status::unavailable(format!("store unavailable: {reason}"))
+            }
+            error @ (Error::Io(_) | Error::Store(_) | Error::Server(_) | Error::Corrupt(_)) => {
+                tracing::error!(%error, "internal error");
+                Status::internal("internal error (logged by the sidecar)")
+            }
+        }
+    }
+}

@@ -1,0 +1,83 @@
+//! What a store must provide, and nothing more: an atomic read-modify-write
+//! of one key, a fencing-token source that never goes backwards, expiry
+//! (records past `retain_until` are reaped), and durability.
+//!
+//! The rules of SPEC §2 live in [`crate::machine`]; a store only runs the
+//! closure the engine gives it, atomically, and applies the [`Change`] it
+//! returns.
+
+pub mod codec;
+pub mod memory;
+pub mod sled;
+
+use std::future::Future;
+
+use crate::{
+    clock::UnixMillis,
+    domain::{FencingToken, Key, OrderingScope, Record},
+    error::Error,
+    machine::{Change, SequenceMark},
+};
+
+/// Issues fencing tokens inside a read-modify-write; called only when a
+/// claim is granted.
+pub type IssueFencing<'a> = &'a mut dyn FnMut() -> Result<FencingToken, Error>;
+
+/// What one pass of the reaper did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReapReport {
+    /// Expired records and ordering marks removed.
+    pub removed: usize,
+    /// Index entries examined (removed records included).
+    pub examined: usize,
+}
+
+/// A place to keep records. Every method is safe to call concurrently.
+pub trait Store: Send + Sync + 'static {
+    /// Atomically reads the record of `key`, calls `apply` with it and stores
+    /// the change it returns. If the record changes underneath, `apply` runs
+    /// again on the new one, so it must not have side effects besides
+    /// issuing fencing tokens; its last answer is returned.
+    fn update<T, F>(&self, key: &Key, apply: F) -> impl Future<Output = Result<T, Error>> + Send
+    where
+        T: Send,
+        F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send;
+
+    /// Reads the record of `key`, expired or not (the caller applies expiry).
+    fn get(&self, key: &Key) -> impl Future<Output = Result<Option<Record>, Error>> + Send;
+
+    /// Atomically updates the ordering mark of `scope`: `apply` returns the
+    /// new mark, or `None` to leave it.
+    fn update_mark<F>(
+        &self,
+        scope: &OrderingScope,
+        apply: F,
+    ) -> impl Future<Output = Result<(), Error>> + Send
+    where
+        F: FnMut(Option<SequenceMark>) -> Option<SequenceMark> + Send;
+
+    /// Reads the ordering mark of `scope`, expired or not.
+    fn get_mark(
+        &self,
+        scope: &OrderingScope,
+    ) -> impl Future<Output = Result<Option<SequenceMark>, Error>> + Send;
+
+    /// Resolves once everything this task has written or read is durable (as
+    /// the store's sync mode defines it): no answer may reveal state that a
+    /// crash could lose.
+    fn durable(&self) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Removes up to `budget` records and marks whose retention ended before
+    /// `now`.
+    fn reap(
+        &self,
+        now: UnixMillis,
+        budget: usize,
+    ) -> impl Future<Output = Result<ReapReport, Error>> + Send;
+
+    /// `Ok` while the store is open and writable.
+    fn health(&self) -> Result<(), Error>;
+
+    /// Makes everything written so far durable; called once at shutdown.
+    fn close(&self) -> impl Future<Output = Result<(), Error>> + Send;
+}

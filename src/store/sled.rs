@@ -1,0 +1,466 @@
+//! The embedded store: sled 0.34 with three trees and one committer thread.
+//!
+//! - `records`: key bytes → encoded [`Record`]; changed only by
+//!   compare-and-swap, so concurrent calls on one key serialize through the
+//!   state machine without locks.
+//! - `marks`: ordering scope → highest committed sequence.
+//! - `expiry`: `retain_until (u64 BE) | kind | key` → nothing. Big-endian
+//!   time makes "everything expired by now" one range scan for the reaper.
+//!   An entry is written *before* the record it indexes, so a crash between
+//!   the two leaves at worst a stale entry (dropped by the reaper), never an
+//!   unindexed record that would stay on disk forever.
+//!
+//! Durability (`sync = always`): sled's `flush()` only `sync_file_range`s its
+//! log on Linux, which does not persist the file's metadata or survive power
+//! loss, so the committer calls `sync_data()` on sled's log file after each
+//! flush. All callers waiting while one sync runs share the next one (group
+//! commit); one thread does every flush because sled stalls when many tasks
+//! flush at once. sled writes a value larger than a quarter of a segment
+//! to a separate blob file that it never syncs; segments are 8 MiB here so
+//! that even a record with a 1 MiB response stays in the synced log.
+//!
+//! Reads wait too: an answer that reveals a write (a DUPLICATE reporting
+//! someone's commit) must not leave before that write is durable. Two
+//! counters of writes started and finished let a reader skip the wait when
+//! every write that began before its read was finished before the last sync.
+
+use std::{
+    fs::File,
+    path::{Path, PathBuf},
+    sync::{
+        atomic::{AtomicU64, Ordering::SeqCst},
+        mpsc, Arc, Mutex, OnceLock,
+    },
+    thread,
+};
+
+use sled::IVec;
+use tokio::sync::oneshot;
+
+use super::{
+    codec::{decode_mark, decode_record, encode_mark, encode_record},
+    IssueFencing, ReapReport, Store,
+};
+use crate::{
+    clock::UnixMillis,
+    domain::{FencingToken, Key, OrderingScope, Record},
+    error::Error,
+    machine::{Change, SequenceMark},
+};
+
+/// When a change counts as stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SyncMode {
+    /// Every answer waits until its change is on disk (fdatasync), shared by
+    /// group commit. Survives `kill -9` and power loss.
+    Always,
+    /// Answers do not wait; sled flushes every 500 ms. A crash of the machine
+    /// can lose the last half second of commits (and fencing order across
+    /// such a crash is not guaranteed).
+    None,
+}
+
+/// How to open the sled store.
+#[derive(Debug, Clone)]
+pub struct SledConfig {
+    /// The directory holding sled's files; created if missing.
+    pub path: PathBuf,
+    /// When a change counts as stored.
+    pub sync: SyncMode,
+    /// sled's page cache size in bytes.
+    pub cache_capacity_bytes: u64,
+}
+
+/// 8 MiB: sled's inline limit is a quarter of a segment, and records must
+/// stay inline (see the module docs).
+const SEGMENT_SIZE: usize = 8 << 20;
+/// Background flush interval when `sync = none`.
+const LAZY_FLUSH_MS: u64 = 500;
+
+const KIND_RECORD: u8 = 0;
+const KIND_MARK: u8 = 1;
+
+/// The sled store; clones share one database.
+#[derive(Debug, Clone)]
+pub struct SledStore {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    db: sled::Db,
+    records: sled::Tree,
+    marks: sled::Tree,
+    expiry: sled::Tree,
+    log_file: Arc<File>,
+    sync: SyncMode,
+    counters: Arc<WriteCounters>,
+    failure: Arc<OnceLock<String>>,
+    committer: Mutex<Option<mpsc::Sender<Waiter>>>,
+}
+
+type Waiter = oneshot::Sender<Result<(), String>>;
+
+/// See the module docs ("Reads wait too").
+#[derive(Debug, Default)]
+struct WriteCounters {
+    started: AtomicU64,
+    finished: AtomicU64,
+    /// `finished` as read just before the last successful sync.
+    durable: AtomicU64,
+}
+
+/// Counts one write as started for as long as it lives.
+struct WriteGuard<'a>(&'a WriteCounters);
+
+impl<'a> WriteGuard<'a> {
+    fn new(counters: &'a WriteCounters) -> Self {
+        counters.started.fetch_add(1, SeqCst);
+        WriteGuard(counters)
+    }
+}
+
+impl Drop for WriteGuard<'_> {
+    fn drop(&mut self) {
+        self.0.finished.fetch_add(1, SeqCst);
+    }
+}
+
+impl SledStore {
+    /// Opens (or creates) the store and proves it writable with one synced
+    /// write before returning.
+    pub fn open(config: &SledConfig) -> Result<SledStore, Error> {
+        std::fs::create_dir_all(&config.path)?;
+        let db = sled::Config::new()
+            .path(&config.path)
+            .cache_capacity(config.cache_capacity_bytes)
+            .segment_size(SEGMENT_SIZE)
+            .mode(sled::Mode::HighThroughput)
+            .flush_every_ms(match config.sync {
+                SyncMode::Always => None,
+                SyncMode::None => Some(LAZY_FLUSH_MS),
+            })
+            .open()
+            .map_err(|error| match error {
+                // sled reports "another process has the database open" as a
+                // bare I/O error; say what it means.
+                sled::Error::Io(io) if io.kind() == std::io::ErrorKind::WouldBlock => {
+                    Error::Unavailable(format!(
+                        "{} is in use by another dedupd process",
+                        config.path.display()
+                    ))
+                }
+                other => other.into(),
+            })?;
+        let log_file = Arc::new(File::open(config.path.join("db"))?);
+        db.insert("meta/opened", &[1u8][..])?;
+        db.flush()?;
+        log_file.sync_data()?;
+        sync_directory(&config.path)?;
+
+        let counters = Arc::new(WriteCounters::default());
+        let failure = Arc::new(OnceLock::new());
+        let committer = match config.sync {
+            SyncMode::Always => Some(spawn_committer(
+                db.clone(),
+                Arc::clone(&log_file),
+                Arc::clone(&counters),
+                Arc::clone(&failure),
+            )?),
+            SyncMode::None => None,
+        };
+        Ok(SledStore {
+            inner: Arc::new(Inner {
+                records: db.open_tree("records")?,
+                marks: db.open_tree("marks")?,
+                expiry: db.open_tree("expiry")?,
+                db,
+                log_file,
+                sync: config.sync,
+                counters,
+                failure,
+                committer: Mutex::new(committer),
+            }),
+        })
+    }
+
+    /// Bytes sled uses on disk.
+    pub fn size_on_disk(&self) -> Result<u64, Error> {
+        Ok(self.inner.db.size_on_disk()?)
+    }
+
+    /// Number of records stored, expired ones not yet reaped included.
+    pub fn record_count(&self) -> usize {
+        self.inner.records.len()
+    }
+
+    fn issue_fencing(&self) -> Result<FencingToken, Error> {
+        // sled persists its ID generator ahead of use and skips past the
+        // persisted value on recovery, so IDs never repeat across restarts.
+        Ok(FencingToken(self.inner.db.generate_id()? + 1))
+    }
+}
+
+impl Inner {
+    /// Replaces `current` by `replacement` under `key` in `tree` with one
+    /// compare-and-swap, keeping the expiry index in step. `false` when the
+    /// value changed underneath (the caller re-reads and retries).
+    fn swap_indexed(
+        &self,
+        tree: &sled::Tree,
+        kind: u8,
+        key: &[u8],
+        current: (Option<IVec>, Option<UnixMillis>),
+        replacement: (Option<Vec<u8>>, Option<UnixMillis>),
+    ) -> Result<bool, Error> {
+        let _write = WriteGuard::new(&self.counters);
+        let (current_bytes, current_expiry) = current;
+        let (replacement_bytes, replacement_expiry) = replacement;
+        if let Some(at) = replacement_expiry.filter(|&at| Some(at) != current_expiry) {
+            self.expiry.insert(expiry_key(at, kind, key), &[])?;
+        }
+        if tree
+            .compare_and_swap(key, current_bytes, replacement_bytes)?
+            .is_err()
+        {
+            return Ok(false);
+        }
+        if let Some(at) = current_expiry.filter(|&at| Some(at) != replacement_expiry) {
+            self.expiry.remove(expiry_key(at, kind, key))?;
+        }
+        Ok(true)
+    }
+
+    fn reap(&self, now: UnixMillis, budget: usize) -> Result<ReapReport, Error> {
+        let mut report = ReapReport::default();
+        let end = (now.0.saturating_add(1)).to_be_bytes();
+        for entry in self.expiry.range(..end).take(budget) {
+            let (index_key, _) = entry?;
+            report.examined += 1;
+            let Some((at, kind, key)) = parse_expiry_key(&index_key) else {
+                self.expiry.remove(&index_key)?;
+                continue;
+            };
+            let tree = if kind == KIND_MARK {
+                &self.marks
+            } else {
+                &self.records
+            };
+            let current = tree.get(key)?;
+            let current_expiry = match &current {
+                None => None,
+                Some(bytes) if kind == KIND_MARK => Some(decode_mark(bytes)?.retain_until),
+                Some(bytes) => Some(decode_record(bytes)?.retain_until),
+            };
+            if current_expiry == Some(at) {
+                // A CAS, not a remove: a claim may have replaced the record
+                // since we read it, and then the new record must stay.
+                if self.swap_indexed(tree, kind, key, (current, Some(at)), (None, None))? {
+                    report.removed += 1;
+                }
+            } else {
+                // The record moved on (or is gone): this entry is stale.
+                self.expiry.remove(&index_key)?;
+            }
+        }
+        Ok(report)
+    }
+
+    fn sync_now(&self) -> Result<(), Error> {
+        self.db.flush()?;
+        self.log_file.sync_data()?;
+        Ok(())
+    }
+}
+
+impl Store for SledStore {
+    async fn update<T, F>(&self, key: &Key, mut apply: F) -> Result<T, Error>
+    where
+        T: Send,
+        F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
+    {
+        let inner = &self.inner;
+        let key = key.to_bytes();
+        let mut issue = || self.issue_fencing();
+        loop {
+            let current_bytes = inner.records.get(&key)?;
+            let current = current_bytes.as_deref().map(decode_record).transpose()?;
+            let (change, answer) = apply(current.as_ref(), &mut issue)?;
+            let replacement = match change {
+                Change::Keep => return Ok(answer),
+                Change::Put(record) => Some(record),
+                Change::Delete => None,
+            };
+            let current_expiry = current.map(|record| record.retain_until);
+            let replacement_expiry = replacement.as_ref().map(|record| record.retain_until);
+            if inner.swap_indexed(
+                &inner.records,
+                KIND_RECORD,
+                &key,
+                (current_bytes, current_expiry),
+                (replacement.as_ref().map(encode_record), replacement_expiry),
+            )? {
+                return Ok(answer);
+            }
+        }
+    }
+
+    async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
+        self.inner
+            .records
+            .get(key.to_bytes())?
+            .as_deref()
+            .map(decode_record)
+            .transpose()
+    }
+
+    async fn update_mark<F>(&self, scope: &OrderingScope, mut apply: F) -> Result<(), Error>
+    where
+        F: FnMut(Option<SequenceMark>) -> Option<SequenceMark> + Send,
+    {
+        let inner = &self.inner;
+        let key = scope.to_bytes();
+        loop {
+            let current_bytes = inner.marks.get(&key)?;
+            let current = current_bytes.as_deref().map(decode_mark).transpose()?;
+            let Some(replacement) = apply(current) else {
+                return Ok(());
+            };
+            if inner.swap_indexed(
+                &inner.marks,
+                KIND_MARK,
+                &key,
+                (current_bytes, current.map(|mark| mark.retain_until)),
+                (
+                    Some(encode_mark(replacement).to_vec()),
+                    Some(replacement.retain_until),
+                ),
+            )? {
+                return Ok(());
+            }
+        }
+    }
+
+    async fn get_mark(&self, scope: &OrderingScope) -> Result<Option<SequenceMark>, Error> {
+        self.inner
+            .marks
+            .get(scope.to_bytes())?
+            .as_deref()
+            .map(decode_mark)
+            .transpose()
+    }
+
+    async fn durable(&self) -> Result<(), Error> {
+        self.health()?;
+        let inner = &self.inner;
+        if inner.sync == SyncMode::None
+            || inner.counters.started.load(SeqCst) <= inner.counters.durable.load(SeqCst)
+        {
+            return Ok(());
+        }
+        let (waiter, synced) = oneshot::channel();
+        let queued = match &*inner.committer.lock().expect("committer lock poisoned") {
+            Some(queue) => queue.send(waiter).is_ok(),
+            None => false,
+        };
+        if !queued {
+            return Err(Error::Unavailable("the store is closed".into()));
+        }
+        match synced.await {
+            Ok(result) => result.map_err(Error::Unavailable),
+            Err(_) => Err(Error::Unavailable("the store is closed".into())),
+        }
+    }
+
+    async fn reap(&self, now: UnixMillis, budget: usize) -> Result<ReapReport, Error> {
+        let inner = Arc::clone(&self.inner);
+        tokio::task::spawn_blocking(move || inner.reap(now, budget))
+            .await
+            .map_err(|join| Error::Store(format!("reaper task failed: {join}")))?
+    }
+
+    fn health(&self) -> Result<(), Error> {
+        match self.inner.failure.get() {
+            Some(reason) => Err(Error::Unavailable(reason.clone())),
+            None => Ok(()),
+        }
+    }
+
+    async fn close(&self) -> Result<(), Error> {
+        // Later durable() calls fail fast; waiters already queued are still
+        // answered by the committer, which exits once the queue is drained.
+        let queue = self.inner.committer.lock().expect("lock").take();
+        drop(queue);
+        self.health()?;
+        let inner = Arc::clone(&self.inner);
+        tokio::task::spawn_blocking(move || inner.sync_now())
+            .await
+            .map_err(|join| Error::Store(format!("final sync task failed: {join}")))?
+    }
+}
+
+fn spawn_committer(
+    db: sled::Db,
+    log_file: Arc<File>,
+    counters: Arc<WriteCounters>,
+    failure: Arc<OnceLock<String>>,
+) -> Result<mpsc::Sender<Waiter>, Error> {
+    let (queue, waiters) = mpsc::channel::<Waiter>();
+    thread::Builder::new()
+        .name("dedupd-committer".into())
+        .spawn(move || {
+            let mut batch = Vec::new();
+            while let Ok(first) = waiters.recv() {
+                batch.push(first);
+                batch.extend(waiters.try_iter());
+                let outcome = match failure.get() {
+                    Some(reason) => Err(reason.clone()),
+                    None => {
+                        let finished = counters.finished.load(SeqCst);
+                        let synced = db
+                            .flush()
+                            .map_err(Error::from)
+                            .and_then(|_| log_file.sync_data().map_err(Error::from));
+                        match synced {
+                            Ok(()) => {
+                                counters.durable.fetch_max(finished, SeqCst);
+                                Ok(())
+                            }
+                            Err(error) => {
+                                // After a failed fsync the kernel may have
+                                // dropped the dirty pages: retrying could
+                                // report success for lost data. Fail for good.
+                                let reason = format!("disk sync failed ({error}); restart dedupd");
+                                tracing::error!(%error, "disk sync failed; the store stops serving");
+                                Err(failure.get_or_init(|| reason).clone())
+                            }
+                        }
+                    }
+                };
+                tracing::trace!(group = batch.len(), "group commit");
+                for waiter in batch.drain(..) {
+                    let _ = waiter.send(outcome.clone());
+                }
+            }
+        })?;
+    Ok(queue)
+}
+
+fn sync_directory(path: &Path) -> Result<(), Error> {
+    File::open(path)?.sync_all()?;
+    Ok(())
+}
+
+fn expiry_key(at: UnixMillis, kind: u8, key: &[u8]) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(9 + key.len());
+    bytes.extend_from_slice(&at.0.to_be_bytes());
+    bytes.push(kind);
+    bytes.extend_from_slice(key);
+    bytes
+}
+
+fn parse_expiry_key(bytes: &[u8]) -> Option<(UnixMillis, u8, &[u8])> {
+    let time: [u8; 8] = bytes.get(..8)?.try_into().ok()?;
+    let kind = *bytes.get(8)?;
+    Some((UnixMillis(u64::from_be_bytes(time)), kind, &bytes[9..]))
+}
