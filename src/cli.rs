@@ -392,6 +392,7 @@ fn print_fields(value: &Value, indent: &str) {
                 println!("{indent}{name}:");
                 print_fields(field, &format!("{indent}  "));
             }
+            Value::String(text) if text.is_empty() => {}
             Value::String(text) => println!("{indent}{name}: {text}"),
             Value::Null => {}
             other => println!("{indent}{name}: {other}"),
@@ -432,7 +433,11 @@ fn print_error(status: &Status, as_json: bool) {
         Code::Internal => "INTERNAL",
         _ => "ERROR",
     };
-    eprintln!("error: {code}: {}", status.message());
+    if violations.is_empty() {
+        eprintln!("error: {code}: {}", status.message());
+    } else {
+        eprintln!("error: {code}");
+    }
     for (field, description) in violations {
         eprintln!("  {field}: {description}");
     }

@@ -247,3 +247,478 @@ pub fn raise_mark(
 fn held_by(record: Option<&Record>, lease_token: LeaseToken) -> Option<&Record> {
     record.filter(|record| record.lease_token == lease_token)
 }
+
+#[cfg(test)]
+mod tests {
+    //! One test per row of the SPEC §2 table, in table order.
+
+    use std::{convert::Infallible, time::Duration};
+
+    use super::*;
+    use crate::domain::{Key, OrderingPosition};
+
+    const LEASE: Duration = Duration::from_secs(30);
+    const RETENTION: Duration = Duration::from_secs(3600);
+    const T0: UnixMillis = UnixMillis(1_000_000);
+
+    fn key() -> Key {
+        Key::new_unchecked("orders".into(), "evt-1".into())
+    }
+
+    fn claim_request() -> ClaimRequest {
+        ClaimRequest {
+            key: key(),
+            lease_ttl: LEASE,
+            retention: RETENTION,
+            event_type: "PaymentReceived".into(),
+            consumer_version: "1.0.0".into(),
+            owner: "pod-a".into(),
+            payload_fingerprint: String::new(),
+            ordering: None,
+        }
+    }
+
+    fn at(offset: Duration) -> UnixMillis {
+        T0.saturating_add(offset)
+    }
+
+    /// Claims with fencing token `fencing`; panics unless the result is a put.
+    fn claim_with(
+        current: Option<&Record>,
+        request: &ClaimRequest,
+        now: UnixMillis,
+        token: u128,
+        fencing: u64,
+    ) -> (Change, ClaimOutcome) {
+        claim(current, request, now, LeaseToken(token), None, || {
+            Ok::<_, Infallible>(FencingToken(fencing))
+        })
+        .unwrap()
+    }
+
+    fn put(change: Change) -> Record {
+        match change {
+            Change::Put(record) => record,
+            other => panic!("expected a put, got {other:?}"),
+        }
+    }
+
+    fn claimed_record() -> Record {
+        put(claim_with(None, &claim_request(), T0, 1, 10).0)
+    }
+
+    fn committed_record() -> Record {
+        let request = CommitRequest {
+            key: key(),
+            lease_token: LeaseToken(1),
+            response: b"done".to_vec(),
+            retention: None,
+        };
+        put(commit(
+            Some(&claimed_record()),
+            &request,
+            at(Duration::from_secs(1)),
+        )
+        .0)
+    }
+
+    #[test]
+    fn claim_of_absent_key_is_claimed_with_first_attempt() {
+        let (change, outcome) = claim_with(None, &claim_request(), T0, 1, 10);
+        let record = put(change);
+        assert_eq!(record.state, RecordState::Claimed);
+        assert_eq!(record.fencing_token, FencingToken(10));
+        assert_eq!(record.attempt, 1);
+        assert_eq!(record.lease_expires_at, at(LEASE));
+        assert_eq!(record.retain_until, at(LEASE + RETENTION));
+        assert_eq!(
+            outcome,
+            ClaimOutcome::Claimed {
+                record,
+                recovered: false
+            }
+        );
+    }
+
+    #[test]
+    fn claim_of_expired_record_treats_it_as_absent() {
+        let committed = committed_record();
+        let after_retention = committed.retain_until;
+        let (change, outcome) =
+            claim_with(Some(&committed), &claim_request(), after_retention, 2, 11);
+        assert_eq!(put(change).attempt, 1);
+        assert!(matches!(
+            outcome,
+            ClaimOutcome::Claimed {
+                recovered: false,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn claim_of_live_lease_is_in_progress_with_remaining_time() {
+        let held = claimed_record();
+        let now = at(Duration::from_secs(10));
+        let mut fencing_issued = false;
+        let (change, outcome) = claim(
+            Some(&held),
+            &claim_request(),
+            now,
+            LeaseToken(2),
+            None,
+            || {
+                fencing_issued = true;
+                Ok::<_, Infallible>(FencingToken(99))
+            },
+        )
+        .unwrap();
+        assert_eq!(change, Change::Keep);
+        assert!(!fencing_issued, "no fencing token is spent on a refusal");
+        assert_eq!(
+            outcome,
+            ClaimOutcome::InProgress {
+                record: held,
+                retry_after: Duration::from_secs(20)
+            }
+        );
+    }
+
+    #[test]
+    fn claim_after_lease_expiry_is_recovered_with_higher_fencing_and_attempt() {
+        let held = claimed_record();
+        let (change, outcome) = claim_with(Some(&held), &claim_request(), at(LEASE), 2, 11);
+        let record = put(change);
+        assert_eq!(record.attempt, 2);
+        assert_eq!(record.lease_token, LeaseToken(2));
+        assert!(record.fencing_token > held.fencing_token);
+        assert!(matches!(
+            outcome,
+            ClaimOutcome::Claimed {
+                recovered: true,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn claim_of_committed_key_is_duplicate_carrying_the_commit() {
+        let committed = committed_record();
+        let (change, outcome) = claim_with(
+            Some(&committed),
+            &claim_request(),
+            at(Duration::from_secs(600)),
+            2,
+            11,
+        );
+        assert_eq!(change, Change::Keep);
+        let ClaimOutcome::Duplicate { record } = outcome else {
+            panic!("expected DUPLICATE, got {outcome:?}");
+        };
+        assert_eq!(record.response, b"done");
+        assert_eq!(record.committed_at, Some(at(Duration::from_secs(1))));
+        assert_eq!(record.fencing_token, FencingToken(10));
+        assert_eq!(record.event_type, "PaymentReceived");
+        assert_eq!(record.consumer_version, "1.0.0");
+    }
+
+    #[test]
+    fn claim_with_other_fingerprint_is_mismatch_in_every_state() {
+        let first = ClaimRequest {
+            payload_fingerprint: "sha-a".into(),
+            ..claim_request()
+        };
+        let held = put(claim_with(None, &first, T0, 1, 10).0);
+        let other = ClaimRequest {
+            payload_fingerprint: "sha-b".into(),
+            ..claim_request()
+        };
+        for existing in [held.clone(), committed_with_fingerprint(&held)] {
+            let (change, outcome) = claim_with(Some(&existing), &other, at(LEASE * 2), 2, 11);
+            assert_eq!(change, Change::Keep);
+            assert!(matches!(outcome, ClaimOutcome::FingerprintMismatch { .. }));
+        }
+        // An empty fingerprint on either side is not a mismatch.
+        let (_, outcome) = claim_with(Some(&held), &claim_request(), at(LEASE), 2, 11);
+        assert!(matches!(outcome, ClaimOutcome::Claimed { .. }));
+        let (_, outcome) = claim_with(Some(&held), &first, at(LEASE), 2, 11);
+        assert!(matches!(outcome, ClaimOutcome::Claimed { .. }));
+    }
+
+    fn committed_with_fingerprint(held: &Record) -> Record {
+        let request = CommitRequest {
+            key: key(),
+            lease_token: held.lease_token,
+            response: Vec::new(),
+            retention: None,
+        };
+        put(commit(Some(held), &request, T0).0)
+    }
+
+    #[test]
+    fn commit_by_holder_commits_even_after_lease_expiry_and_is_idempotent() {
+        let held = claimed_record();
+        let request = CommitRequest {
+            key: key(),
+            lease_token: LeaseToken(1),
+            response: b"r".to_vec(),
+            retention: Some(Duration::from_secs(60)),
+        };
+        let late = at(LEASE * 3);
+        let (change, outcome) = commit(Some(&held), &request, late);
+        let committed = put(change);
+        assert_eq!(committed.state, RecordState::Committed);
+        assert_eq!(committed.committed_at, Some(late));
+        assert_eq!(
+            committed.retain_until,
+            late.saturating_add(Duration::from_secs(60))
+        );
+        assert_eq!(outcome, Ok(CommitOutcome::Committed(committed.clone())));
+
+        let (change, again) = commit(Some(&committed), &request, late.saturating_add(LEASE));
+        assert_eq!(change, Change::Keep);
+        assert_eq!(again, Ok(CommitOutcome::AlreadyCommitted(committed)));
+    }
+
+    #[test]
+    fn commit_with_any_other_token_or_state_is_lease_lost() {
+        let held = claimed_record();
+        let stranger = CommitRequest {
+            key: key(),
+            lease_token: LeaseToken(2),
+            response: Vec::new(),
+            retention: None,
+        };
+        assert_eq!(
+            commit(Some(&held), &stranger, T0),
+            (Change::Keep, Err(LeaseLost))
+        );
+        assert_eq!(commit(None, &stranger, T0), (Change::Keep, Err(LeaseLost)));
+        // The holder lost it: someone re-claimed after the lease expired.
+        let reclaimed = put(claim_with(Some(&held), &claim_request(), at(LEASE), 2, 11).0);
+        let holder = CommitRequest {
+            lease_token: LeaseToken(1),
+            ..stranger
+        };
+        assert_eq!(
+            commit(Some(&reclaimed), &holder, at(LEASE)),
+            (Change::Keep, Err(LeaseLost))
+        );
+        // ...or released it.
+        let release_request = ReleaseRequest {
+            key: key(),
+            lease_token: LeaseToken(1),
+        };
+        let released = put(release(Some(&held), &release_request, T0).0);
+        assert_eq!(
+            commit(Some(&released), &holder, T0),
+            (Change::Keep, Err(LeaseLost))
+        );
+    }
+
+    #[test]
+    fn release_makes_key_claimable_at_once_and_keeps_attempts() {
+        let held = claimed_record();
+        let request = ReleaseRequest {
+            key: key(),
+            lease_token: LeaseToken(1),
+        };
+        let now = at(Duration::from_secs(5));
+        let (change, outcome) = release(Some(&held), &request, now);
+        let released = put(change);
+        assert_eq!(outcome, Ok(ReleaseOutcome::Released));
+        assert_eq!(released.state, RecordState::Released);
+        assert_eq!(released.retain_until, now.saturating_add(RETENTION));
+
+        let (change, outcome) = claim_with(Some(&released), &claim_request(), now, 2, 11);
+        assert_eq!(put(change).attempt, 2);
+        assert!(matches!(
+            outcome,
+            ClaimOutcome::Claimed {
+                recovered: false,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn release_is_idempotent_and_fine_on_absent_keys() {
+        let request = ReleaseRequest {
+            key: key(),
+            lease_token: LeaseToken(1),
+        };
+        let released = put(release(Some(&claimed_record()), &request, T0).0);
+        assert_eq!(
+            release(Some(&released), &request, T0),
+            (Change::Keep, Ok(ReleaseOutcome::AlreadyReleased))
+        );
+        assert_eq!(
+            release(None, &request, T0),
+            (Change::Keep, Ok(ReleaseOutcome::NotFound))
+        );
+    }
+
+    #[test]
+    fn release_of_someone_elses_claim_or_a_commit_is_lease_lost() {
+        let stranger = ReleaseRequest {
+            key: key(),
+            lease_token: LeaseToken(2),
+        };
+        assert_eq!(
+            release(Some(&claimed_record()), &stranger, T0),
+            (Change::Keep, Err(LeaseLost))
+        );
+        let holder = ReleaseRequest {
+            lease_token: LeaseToken(1),
+            ..stranger
+        };
+        assert_eq!(
+            release(Some(&committed_record()), &holder, T0),
+            (Change::Keep, Err(LeaseLost))
+        );
+    }
+
+    #[test]
+    fn renew_extends_the_holders_lease_only() {
+        let held = claimed_record();
+        let request = RenewRequest {
+            key: key(),
+            lease_token: LeaseToken(1),
+            lease_ttl: Duration::from_secs(120),
+        };
+        let now = at(Duration::from_secs(25));
+        let (change, outcome) = renew(Some(&held), &request, now);
+        let renewed = put(change);
+        assert_eq!(outcome, Ok(now.saturating_add(Duration::from_secs(120))));
+        assert_eq!(
+            renewed.lease_expires_at,
+            now.saturating_add(Duration::from_secs(120))
+        );
+        assert_eq!(
+            renewed.retain_until,
+            renewed.lease_expires_at.saturating_add(RETENTION)
+        );
+        // The renewed lease holds off another claimer past the old expiry.
+        let (_, outcome) = claim_with(Some(&renewed), &claim_request(), at(LEASE), 2, 11);
+        assert!(matches!(outcome, ClaimOutcome::InProgress { .. }));
+
+        let stranger = RenewRequest {
+            lease_token: LeaseToken(2),
+            ..request.clone()
+        };
+        assert_eq!(
+            renew(Some(&held), &stranger, now),
+            (Change::Keep, Err(LeaseLost))
+        );
+        assert_eq!(
+            renew(Some(&committed_record()), &request, now),
+            (Change::Keep, Err(LeaseLost))
+        );
+    }
+
+    #[test]
+    fn expired_records_read_as_absent_for_every_call() {
+        let committed = committed_record();
+        let gone = committed.retain_until;
+        assert!(live(Some(&committed), gone).is_none());
+        assert!(live(Some(&committed), UnixMillis(gone.0 - 1)).is_some());
+        let request = CommitRequest {
+            key: key(),
+            lease_token: LeaseToken(1),
+            response: Vec::new(),
+            retention: None,
+        };
+        assert_eq!(
+            commit(Some(&committed), &request, gone),
+            (Change::Keep, Err(LeaseLost))
+        );
+        assert_eq!(forget(Some(&committed), gone), (Change::Delete, false));
+        assert_eq!(forget(None, gone), (Change::Keep, false));
+        // An abandoned claim stays recoverable for its retention after the lease.
+        let held = claimed_record();
+        assert!(live(
+            Some(&held),
+            at(LEASE + RETENTION - Duration::from_millis(1))
+        )
+        .is_some());
+        assert!(live(Some(&held), at(LEASE + RETENTION)).is_none());
+    }
+
+    #[test]
+    fn stale_sequence_is_refused_and_commit_raises_the_mark() {
+        let with_sequence = |sequence| ClaimRequest {
+            ordering: Some(OrderingPosition {
+                ordering_key: "link-7".into(),
+                sequence,
+            }),
+            ..claim_request()
+        };
+        for sequence in [1, 2] {
+            let (change, outcome) = claim(
+                None,
+                &with_sequence(sequence),
+                T0,
+                LeaseToken(1),
+                Some(2),
+                || Ok::<_, Infallible>(FencingToken(5)),
+            )
+            .unwrap();
+            assert_eq!(change, Change::Keep);
+            assert_eq!(
+                outcome,
+                ClaimOutcome::Stale {
+                    highest_committed_sequence: 2
+                }
+            );
+        }
+        let (change, _) = claim(None, &with_sequence(3), T0, LeaseToken(1), Some(2), || {
+            Ok::<_, Infallible>(FencingToken(5))
+        })
+        .unwrap();
+        let held = put(change);
+        let request = CommitRequest {
+            key: key(),
+            lease_token: LeaseToken(1),
+            response: Vec::new(),
+            retention: None,
+        };
+        let committed = put(commit(Some(&held), &request, T0).0);
+        let old_mark = SequenceMark {
+            highest: 2,
+            retain_until: at(RETENTION * 10),
+        };
+        let raised = raise_mark(Some(old_mark), &committed, T0).expect("raised");
+        assert_eq!(raised.highest, 3);
+        assert_eq!(raised.retain_until, old_mark.retain_until);
+        // A late commit of a lower sequence never lowers the mark.
+        let higher = SequenceMark {
+            highest: 9,
+            ..old_mark
+        };
+        assert_eq!(raise_mark(Some(higher), &committed, T0), None);
+        // Commits without ordering leave marks alone.
+        assert_eq!(raise_mark(Some(higher), &committed_record(), T0), None);
+    }
+
+    #[test]
+    fn duplicate_wins_over_stale_for_a_redelivered_committed_event() {
+        let committed = committed_record();
+        let request = ClaimRequest {
+            ordering: Some(OrderingPosition {
+                ordering_key: "link-7".into(),
+                sequence: 1,
+            }),
+            ..claim_request()
+        };
+        let (_, outcome) = claim(
+            Some(&committed),
+            &request,
+            T0,
+            LeaseToken(2),
+            Some(5),
+            || Ok::<_, Infallible>(FencingToken(5)),
+        )
+        .unwrap();
+        assert!(matches!(outcome, ClaimOutcome::Duplicate { .. }));
+    }
+}

@@ -3,7 +3,7 @@
 //! open the store, bind, and hand over to [`dedupd::run`]. With a client
 //! command it makes one call to a running sidecar instead.
 
-use std::{process::ExitCode, sync::Arc};
+use std::{io::IsTerminal, process::ExitCode, sync::Arc};
 
 use clap::{error::ErrorKind, Parser};
 use dedupd::{
@@ -94,6 +94,7 @@ fn serve(args: &ServeArgs) -> ExitCode {
 fn init_tracing(settings: &Settings) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(settings.log_filter.clone())
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     match settings.log_format {
         LogFormat::Text => builder.init(),
