@@ -89,8 +89,10 @@ pub async fn run<S: Store>(
         maintenance_stopped,
     ));
 
-    let local_addr = listener.local_addr().ok();
-    tracing::info!(address = ?local_addr, "dedupd serving");
+    match listener.local_addr() {
+        Ok(address) => tracing::info!(%address, "dedupd serving"),
+        Err(error) => tracing::warn!(%error, "dedupd serving on an unknown address"),
+    }
     let (drain_began, drain_begun) = tokio::sync::oneshot::channel::<()>();
     let health_on_shutdown = health.clone();
     let serve = Server::builder()

@@ -96,7 +96,14 @@ struct Inner {
     sync: SyncMode,
     counters: Arc<WriteCounters>,
     failure: Arc<OnceLock<String>>,
-    committer: Mutex<Option<mpsc::Sender<Waiter>>>,
+    committer: Mutex<Option<Committer>>,
+}
+
+/// The committer thread and the queue of callers waiting for its next sync.
+#[derive(Debug)]
+struct Committer {
+    queue: mpsc::Sender<Waiter>,
+    thread: thread::JoinHandle<()>,
 }
 
 type Waiter = oneshot::Sender<Result<(), String>>;
@@ -144,7 +151,7 @@ impl SledStore {
             .map_err(|error| match error {
                 // sled reports "another process has the database open" as a
                 // bare I/O error; say what it means.
-                sled::Error::Io(io) if io.kind() == std::io::ErrorKind::WouldBlock => {
+                sled::Error::Io(io) if io.to_string().contains("could not acquire lock") => {
                     Error::Unavailable(format!(
                         "{} is in use by another dedupd process",
                         config.path.display()
@@ -360,7 +367,7 @@ impl Store for SledStore {
         }
         let (waiter, synced) = oneshot::channel();
         let queued = match &*inner.committer.lock().expect("committer lock poisoned") {
-            Some(queue) => queue.send(waiter).is_ok(),
+            Some(committer) => committer.queue.send(waiter).is_ok(),
             None => false,
         };
         if !queued {
@@ -389,13 +396,21 @@ impl Store for SledStore {
     async fn close(&self) -> Result<(), Error> {
         // Later durable() calls fail fast; waiters already queued are still
         // answered by the committer, which exits once the queue is drained.
-        let queue = self.inner.committer.lock().expect("lock").take();
-        drop(queue);
-        self.health()?;
+        let committer = self.inner.committer.lock().expect("lock").take();
         let inner = Arc::clone(&self.inner);
-        tokio::task::spawn_blocking(move || inner.sync_now())
-            .await
-            .map_err(|join| Error::Store(format!("final sync task failed: {join}")))?
+        tokio::task::spawn_blocking(move || {
+            if let Some(Committer { queue, thread }) = committer {
+                drop(queue);
+                let _ = thread.join();
+            }
+            inner
+                .failure
+                .get()
+                .map_or(Ok(()), |reason| Err(Error::Unavailable(reason.clone())))?;
+            inner.sync_now()
+        })
+        .await
+        .map_err(|join| Error::Store(format!("final sync task failed: {join}")))?
     }
 }
 
@@ -404,9 +419,9 @@ fn spawn_committer(
     log_file: Arc<File>,
     counters: Arc<WriteCounters>,
     failure: Arc<OnceLock<String>>,
-) -> Result<mpsc::Sender<Waiter>, Error> {
+) -> Result<Committer, Error> {
     let (queue, waiters) = mpsc::channel::<Waiter>();
-    thread::Builder::new()
+    let thread = thread::Builder::new()
         .name("dedupd-committer".into())
         .spawn(move || {
             let mut batch = Vec::new();
@@ -443,7 +458,7 @@ fn spawn_committer(
                 }
             }
         })?;
-    Ok(queue)
+    Ok(Committer { queue, thread })
 }
 
 fn sync_directory(path: &Path) -> Result<(), Error> {
