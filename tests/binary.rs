@@ -1,0 +1,424 @@
+//! The real `dedupd` binary as a child process: crash safety under `kill -9`,
+//! graceful shutdown on SIGTERM, configuration errors (exit 64) and the CLI.
+
+use std::{
+    collections::HashMap,
+    io::{BufRead, BufReader},
+    net::SocketAddr,
+    path::Path,
+    process::{Child, Command, Stdio},
+    sync::{mpsc, Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use dedupd::proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient};
+use rand::Rng;
+use serde_json::Value;
+
+const BINARY: &str = env!("CARGO_BIN_EXE_dedupd");
+
+struct Sidecar {
+    child: Child,
+    addr: SocketAddr,
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl Sidecar {
+    /// Starts the binary on an ephemeral port and waits (bounded) until it
+    /// logs the address it serves on.
+    fn start(data_dir: &Path) -> Sidecar {
+        let mut child = Command::new(BINARY)
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--log-format",
+                "json",
+                "--worker-threads",
+                "2",
+            ])
+            .arg("--data-dir")
+            .arg(data_dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn dedupd");
+        let stderr = child.stderr.take().expect("stderr");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (found, address) = mpsc::channel();
+        let lines = Arc::clone(&log);
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Ok(event) = serde_json::from_str::<Value>(&line) {
+                    if event["message"] == "dedupd serving" {
+                        let _ =
+                            found.send(event["address"].as_str().unwrap_or_default().to_owned());
+                    }
+                }
+                lines.lock().unwrap().push(line);
+            }
+        });
+        let addr = match address.recv_timeout(Duration::from_secs(20)) {
+            Ok(addr) => addr.parse().expect("address"),
+            Err(_) => {
+                let _ = child.kill();
+                panic!("dedupd did not start: {:?}", log.lock().unwrap());
+            }
+        };
+        Sidecar { child, addr, log }
+    }
+
+    async fn client(&self) -> ClaimAndCommitClient<tonic::transport::Channel> {
+        ClaimAndCommitClient::connect(format!("http://{}", self.addr))
+            .await
+            .expect("connect")
+    }
+
+    fn kill_9(mut self) {
+        self.child.kill().expect("SIGKILL");
+        self.child.wait().expect("reap");
+    }
+
+    fn log_text(&self) -> String {
+        self.log.lock().unwrap().join("\n")
+    }
+}
+
+impl Drop for Sidecar {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn claim_request(id: &str) -> pb::ClaimRequest {
+    pb::ClaimRequest {
+        correlation_id: id.to_owned(),
+        event_type: "PaymentReceived".into(),
+        ..Default::default()
+    }
+}
+
+/// Commits under concurrent load, `kill -9`s the sidecar at a random moment,
+/// restarts it, and checks that every acknowledged commit survived and that
+/// fencing tokens kept growing. Ten cycles.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_acknowledged_commit_survives_kill_9() {
+    let dir = tempfile::tempdir().unwrap();
+    let acknowledged: Arc<Mutex<HashMap<String, u64>>> = Arc::default();
+    let mut highest_fencing = 0u64;
+    for cycle in 0..10 {
+        let sidecar = Sidecar::start(dir.path());
+        let mut client = sidecar.client().await;
+
+        // Everything acknowledged before any earlier crash is still committed.
+        let expected: Vec<(String, u64)> = acknowledged
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(id, fencing)| (id.clone(), *fencing))
+            .collect();
+        for (id, fencing) in &expected {
+            let duplicate = client.claim(claim_request(id)).await.unwrap().into_inner();
+            assert_eq!(
+                duplicate.outcome,
+                pb::ClaimOutcome::Duplicate as i32,
+                "cycle {cycle}: acknowledged commit {id} was lost"
+            );
+            assert_eq!(duplicate.fencing_token, *fencing);
+        }
+        let probe = client
+            .claim(claim_request(&format!("probe-{cycle}")))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(
+            probe.fencing_token > highest_fencing,
+            "cycle {cycle}: fencing token {} after {highest_fencing}",
+            probe.fencing_token
+        );
+
+        let mut workers = Vec::new();
+        for worker in 0..8 {
+            let mut client = sidecar.client().await;
+            let acknowledged = Arc::clone(&acknowledged);
+            workers.push(tokio::spawn(async move {
+                let mut highest = 0;
+                for n in 0..100_000 {
+                    let id = format!("c{cycle}-w{worker}-{n}");
+                    let Ok(claimed) = client.claim(claim_request(&id)).await else {
+                        break;
+                    };
+                    let claimed = claimed.into_inner();
+                    highest = highest.max(claimed.fencing_token);
+                    let commit = pb::CommitRequest {
+                        correlation_id: id.clone(),
+                        lease_token: claimed.lease_token,
+                        response: id.clone().into_bytes(),
+                        ..Default::default()
+                    };
+                    if client.commit(commit).await.is_err() {
+                        break;
+                    }
+                    acknowledged
+                        .lock()
+                        .unwrap()
+                        .insert(id, claimed.fencing_token);
+                }
+                highest
+            }));
+        }
+        let delay = rand::rng().random_range(50..400);
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+        sidecar.kill_9();
+        for worker in workers {
+            highest_fencing = highest_fencing.max(worker.await.unwrap());
+        }
+        highest_fencing = highest_fencing.max(probe.fencing_token);
+    }
+    let count = acknowledged.lock().unwrap().len();
+    assert!(
+        count > 100,
+        "the load was too light to prove anything: {count} commits"
+    );
+
+    let sidecar = Sidecar::start(dir.path());
+    let mut client = sidecar.client().await;
+    let expected: Vec<String> = acknowledged.lock().unwrap().keys().cloned().collect();
+    for id in expected {
+        let lookup = client
+            .lookup(pb::LookupRequest {
+                namespace: String::new(),
+                correlation_id: id.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let record = lookup.record.unwrap_or_else(|| panic!("{id} lost"));
+        assert_eq!(record.state, pb::RecordState::Committed as i32);
+        assert_eq!(record.response, id.as_bytes());
+    }
+}
+
+#[tokio::test]
+async fn sigterm_drains_syncs_and_exits_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut sidecar = Sidecar::start(dir.path());
+    let mut client = sidecar.client().await;
+    let claimed = client
+        .claim(claim_request("before-term"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(claimed.outcome, pb::ClaimOutcome::Claimed as i32);
+
+    let pid = sidecar.child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = sidecar.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "did not exit after SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(status.success(), "exit status {status:?}");
+    let log = sidecar.log_text();
+    assert!(log.contains("SIGTERM received"), "{log}");
+    assert!(log.contains("store synced"), "{log}");
+    drop(sidecar);
+
+    // What was claimed before SIGTERM is there after the restart.
+    let sidecar = Sidecar::start(dir.path());
+    let mut client = sidecar.client().await;
+    let again = client
+        .claim(claim_request("before-term"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again.outcome, pb::ClaimOutcome::InProgress as i32);
+}
+
+#[test]
+fn bad_configuration_exits_64_with_one_line_before_touching_anything() {
+    let dir = tempfile::tempdir().unwrap();
+    let data_dir = dir.path().join("never-created");
+    let cases: Vec<(Vec<&str>, Vec<(&str, &str)>, &str)> = vec![
+        (
+            vec!["--default-lease-ttl", "2h"],
+            vec![],
+            "--default-lease-ttl",
+        ),
+        (vec!["--max-lease-ttl", "2h"], vec![], "--max-lease-ttl"),
+        (vec!["--listen", "nowhere"], vec![], "--listen"),
+        (vec![], vec![("DEDUPD_SYNC", "sometimes")], "sometimes"),
+        (
+            vec!["--max-response-bytes", "2000000"],
+            vec![],
+            "--max-response-bytes",
+        ),
+        (vec!["--namespace-retention", "bad ns=1d"], vec![], "bad ns"),
+        (
+            vec!["--default-retention", "400days"],
+            vec![],
+            "--default-retention",
+        ),
+        (vec!["--log", "info,[["], vec![], "--log"),
+        (vec!["--max-batch-size", "0"], vec![], "--max-batch-size"),
+    ];
+    for (args, env, mentioned) in cases {
+        let output = Command::new(BINARY)
+            .args(&args)
+            .arg("--data-dir")
+            .arg(&data_dir)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(64), "{args:?} {env:?}: {stderr}");
+        assert_eq!(
+            stderr.trim_end().lines().count(),
+            1,
+            "one line, got: {stderr}"
+        );
+        assert!(
+            stderr.contains(mentioned),
+            "{stderr:?} should mention {mentioned}"
+        );
+    }
+    assert!(
+        !data_dir.exists(),
+        "bad configuration must not create the data directory"
+    );
+}
+
+fn cli(addr: SocketAddr, args: &[&str]) -> (i32, String, String) {
+    let output = Command::new(BINARY)
+        .args(args)
+        .env("DEDUPD_ADDR", addr.to_string())
+        .output()
+        .unwrap();
+    (
+        output.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn cli_claims_commits_and_reports_outcomes_with_exit_codes() {
+    let dir = tempfile::tempdir().unwrap();
+    let sidecar = Sidecar::start(dir.path());
+    let addr = sidecar.addr;
+
+    let (code, stdout, _) = cli(
+        addr,
+        &["claim", "order-1", "--event-type", "OrderPlaced", "--json"],
+    );
+    assert_eq!(code, 0);
+    let claimed: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(claimed["outcome"], "CLAIMED");
+    let token = claimed["lease_token"].as_str().unwrap().to_owned();
+
+    let (code, stdout, _) = cli(addr, &["claim", "order-1"]);
+    assert_eq!(code, 11, "IN_PROGRESS exit code");
+    assert!(stdout.starts_with("outcome: IN_PROGRESS"), "{stdout}");
+
+    let (code, stdout, _) = cli(
+        addr,
+        &[
+            "commit",
+            "order-1",
+            "--lease-token",
+            &token,
+            "--response",
+            "created",
+        ],
+    );
+    assert_eq!(code, 0, "{stdout}");
+    assert!(stdout.contains("outcome: COMMITTED"), "{stdout}");
+
+    let (code, stdout, _) = cli(addr, &["claim", "order-1", "--json"]);
+    assert_eq!(code, 10, "DUPLICATE exit code");
+    let duplicate: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(duplicate["record"]["response"], "created");
+    assert_eq!(duplicate["record"]["event_type"], "OrderPlaced");
+
+    let (code, stdout, _) = cli(addr, &["lookup", "order-1"]);
+    assert_eq!(code, 0);
+    assert!(stdout.contains("state: COMMITTED"), "{stdout}");
+    assert!(stdout.contains("committed_at: "), "{stdout}");
+
+    let (code, stdout, _) = cli(addr, &["forget", "order-1", "--json"]);
+    assert_eq!(code, 0);
+    assert_eq!(
+        serde_json::from_str::<Value>(&stdout).unwrap()["existed"],
+        true
+    );
+
+    let (code, _, stderr) = cli(addr, &["claim", "bad\u{1}id"]);
+    assert_eq!(code, 1);
+    assert!(
+        stderr.contains("INVALID_ARGUMENT") && stderr.contains("correlation_id"),
+        "{stderr}"
+    );
+
+    let (code, _, stderr) = cli(
+        addr,
+        &["commit", "order-2", "--lease-token", &"0".repeat(32)],
+    );
+    assert_eq!(code, 1);
+    assert!(
+        stderr.contains("FAILED_PRECONDITION") && stderr.contains("LEASE_LOST"),
+        "{stderr}"
+    );
+
+    let (code, stdout, _) = cli(
+        addr,
+        &[
+            "claim",
+            "-n",
+            "statuses",
+            "s-2",
+            "--ordering-key",
+            "link",
+            "--sequence",
+            "2",
+        ],
+    );
+    assert_eq!(code, 0, "{stdout}");
+    let token = stdout
+        .lines()
+        .find_map(|line| line.strip_prefix("lease_token: "))
+        .unwrap()
+        .to_owned();
+    assert_eq!(
+        cli(
+            addr,
+            &["commit", "-n", "statuses", "s-2", "--lease-token", &token]
+        )
+        .0,
+        0
+    );
+    let (code, stdout, _) = cli(
+        addr,
+        &[
+            "claim",
+            "-n",
+            "statuses",
+            "s-1",
+            "--ordering-key",
+            "link",
+            "--sequence",
+            "1",
+        ],
+    );
+    assert_eq!(code, 13, "STALE exit code: {stdout}");
+    assert!(stdout.contains("highest_committed_sequence: 2"), "{stdout}");
+}
