@@ -1,0 +1,344 @@
+//! Property tests: random sequences of calls (with time moving) run through
+//! the engine on the in-memory store and on the sled store, and both are
+//! checked against a small independent model of SPEC §2 kept in a BTreeMap.
+
+use std::{collections::BTreeMap, sync::Arc, time::Duration};
+
+use dedupd::{
+    clock::{ManualClock, UnixMillis},
+    domain::{
+        ClaimOutcome, ClaimRequest, CommitOutcome, CommitRequest, Key, LeaseToken, RecordState,
+        ReleaseOutcome, ReleaseRequest,
+    },
+    engine::Engine,
+    store::{
+        memory::MemoryStore,
+        sled::{SledConfig, SledStore, SyncMode},
+        Store,
+    },
+    Error,
+};
+use proptest::prelude::*;
+
+const LEASE_SECS: u64 = 10;
+const RETENTION_SECS: u64 = 100;
+const KEYS: usize = 3;
+
+#[derive(Debug, Clone, Copy)]
+enum TokenChoice {
+    Latest,
+    Previous,
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Claim(usize),
+    Commit(usize, TokenChoice),
+    Release(usize, TokenChoice),
+    Advance(u64),
+    Forget(usize),
+    Reap,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let key = 0..KEYS;
+    let choice = prop_oneof![3 => Just(TokenChoice::Latest), 1 => Just(TokenChoice::Previous)];
+    prop_oneof![
+        4 => key.clone().prop_map(Op::Claim),
+        3 => (key.clone(), choice.clone()).prop_map(|(k, c)| Op::Commit(k, c)),
+        2 => (key.clone(), choice).prop_map(|(k, c)| Op::Release(k, c)),
+        3 => prop_oneof![Just(1u64), Just(9), Just(10), Just(11), Just(60), Just(111)].prop_map(Op::Advance),
+        1 => key.prop_map(Op::Forget),
+        1 => Just(Op::Reap),
+    ]
+}
+
+/// The model: SPEC §2 restated as plainly as possible.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum ModelState {
+    Claimed,
+    Committed,
+    Released,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct ModelRecord {
+    state: ModelState,
+    /// Which claim of this key holds it (1 = the first claim ever made).
+    claim_number: usize,
+    lease_until: u64,
+    retain_until: u64,
+    attempt: u32,
+}
+
+#[derive(Debug, Default)]
+struct Model {
+    now: u64,
+    records: BTreeMap<usize, ModelRecord>,
+    claims_made: BTreeMap<usize, usize>,
+}
+
+impl Model {
+    fn live(&self, key: usize) -> Option<ModelRecord> {
+        self.records
+            .get(&key)
+            .copied()
+            .filter(|r| self.now < r.retain_until)
+    }
+
+    fn token_claim_number(&self, key: usize, choice: TokenChoice) -> usize {
+        let made = self.claims_made.get(&key).copied().unwrap_or(0);
+        match choice {
+            TokenChoice::Latest => made,
+            TokenChoice::Previous => made.saturating_sub(1),
+        }
+    }
+
+    fn apply(&mut self, op: &Op) -> String {
+        let now = self.now;
+        match *op {
+            Op::Claim(key) => match self.live(key) {
+                Some(r) if r.state == ModelState::Committed => "DUPLICATE".into(),
+                Some(r) if r.state == ModelState::Claimed && now < r.lease_until => {
+                    "IN_PROGRESS".into()
+                }
+                live => {
+                    let recovered = live.is_some_and(|r| r.state == ModelState::Claimed);
+                    let attempt = live.map_or(0, |r| r.attempt) + 1;
+                    let claim_number = self.claims_made.get(&key).copied().unwrap_or(0) + 1;
+                    self.claims_made.insert(key, claim_number);
+                    self.records.insert(
+                        key,
+                        ModelRecord {
+                            state: ModelState::Claimed,
+                            claim_number,
+                            lease_until: now + LEASE_SECS * 1000,
+                            retain_until: now + (LEASE_SECS + RETENTION_SECS) * 1000,
+                            attempt,
+                        },
+                    );
+                    format!("CLAIMED attempt={attempt} recovered={recovered}")
+                }
+            },
+            Op::Commit(key, choice) => {
+                let number = self.token_claim_number(key, choice);
+                match self.live(key) {
+                    Some(r) if r.claim_number == number && number > 0 => match r.state {
+                        ModelState::Claimed => {
+                            self.records.insert(
+                                key,
+                                ModelRecord {
+                                    state: ModelState::Committed,
+                                    retain_until: now + RETENTION_SECS * 1000,
+                                    ..r
+                                },
+                            );
+                            "COMMITTED".into()
+                        }
+                        ModelState::Committed => "ALREADY_COMMITTED".into(),
+                        ModelState::Released => "LEASE_LOST".into(),
+                    },
+                    _ => "LEASE_LOST".into(),
+                }
+            }
+            Op::Release(key, choice) => {
+                let number = self.token_claim_number(key, choice);
+                match self.live(key) {
+                    None => "NOT_FOUND".into(),
+                    Some(r) if r.state == ModelState::Released => "ALREADY_RELEASED".into(),
+                    Some(r)
+                        if r.state == ModelState::Claimed
+                            && r.claim_number == number
+                            && number > 0 =>
+                    {
+                        self.records.insert(
+                            key,
+                            ModelRecord {
+                                state: ModelState::Released,
+                                lease_until: now,
+                                retain_until: now + RETENTION_SECS * 1000,
+                                ..r
+                            },
+                        );
+                        "RELEASED".into()
+                    }
+                    Some(_) => "LEASE_LOST".into(),
+                }
+            }
+            Op::Advance(seconds) => {
+                self.now += seconds * 1000;
+                String::new()
+            }
+            Op::Forget(key) => {
+                let existed = self.live(key).is_some();
+                self.records.remove(&key);
+                format!("FORGOT existed={existed}")
+            }
+            Op::Reap => String::new(),
+        }
+    }
+
+    fn view(&self, key: usize) -> String {
+        match self.live(key) {
+            None => "absent".into(),
+            Some(r) => format!("{:?} attempt={}", r.state, r.attempt),
+        }
+    }
+}
+
+/// One engine under test, with the lease tokens it handed out per key.
+struct Subject<S> {
+    engine: Engine<S>,
+    tokens: BTreeMap<usize, Vec<LeaseToken>>,
+    last_fencing: u64,
+}
+
+fn key(index: usize) -> Key {
+    // Keys are built through the API's validation, as the server does.
+    dedupd::api::Limits::default()
+        .key("model", &format!("event-{index}"))
+        .unwrap()
+}
+
+impl<S: Store> Subject<S> {
+    fn new(store: S, clock: &ManualClock) -> Self {
+        Subject {
+            engine: Engine::new(Arc::new(store), Arc::new(clock.clone())),
+            tokens: BTreeMap::new(),
+            last_fencing: 0,
+        }
+    }
+
+    fn token(&self, index: usize, choice: TokenChoice) -> LeaseToken {
+        let issued = self.tokens.get(&index).map(Vec::as_slice).unwrap_or(&[]);
+        let position = match choice {
+            TokenChoice::Latest => issued.len().checked_sub(1),
+            TokenChoice::Previous => issued.len().checked_sub(2),
+        };
+        position.map_or(LeaseToken(u128::MAX), |p| issued[p])
+    }
+
+    async fn apply(&mut self, op: &Op) -> Result<String, Error> {
+        Ok(match *op {
+            Op::Claim(index) => {
+                let request = ClaimRequest {
+                    key: key(index),
+                    lease_ttl: Duration::from_secs(LEASE_SECS),
+                    retention: Duration::from_secs(RETENTION_SECS),
+                    event_type: String::new(),
+                    consumer_version: String::new(),
+                    owner: String::new(),
+                    payload_fingerprint: String::new(),
+                    ordering: None,
+                };
+                match self.engine.claim(&request).await? {
+                    ClaimOutcome::Claimed { record, recovered } => {
+                        assert!(
+                            record.fencing_token.0 > self.last_fencing,
+                            "fencing token went from {} to {}",
+                            self.last_fencing,
+                            record.fencing_token.0
+                        );
+                        self.last_fencing = record.fencing_token.0;
+                        self.tokens
+                            .entry(index)
+                            .or_default()
+                            .push(record.lease_token);
+                        format!("CLAIMED attempt={} recovered={recovered}", record.attempt)
+                    }
+                    ClaimOutcome::Duplicate { .. } => "DUPLICATE".into(),
+                    ClaimOutcome::InProgress { .. } => "IN_PROGRESS".into(),
+                    other => panic!("not generated: {other:?}"),
+                }
+            }
+            Op::Commit(index, choice) => {
+                let request = CommitRequest {
+                    key: key(index),
+                    lease_token: self.token(index, choice),
+                    response: Vec::new(),
+                    retention: None,
+                };
+                match self.engine.commit(&request).await {
+                    Ok(CommitOutcome::Committed(_)) => "COMMITTED".into(),
+                    Ok(CommitOutcome::AlreadyCommitted(_)) => "ALREADY_COMMITTED".into(),
+                    Err(Error::LeaseLost { .. }) => "LEASE_LOST".into(),
+                    Err(other) => return Err(other),
+                }
+            }
+            Op::Release(index, choice) => {
+                let request = ReleaseRequest {
+                    key: key(index),
+                    lease_token: self.token(index, choice),
+                };
+                match self.engine.release(&request).await {
+                    Ok(ReleaseOutcome::Released) => "RELEASED".into(),
+                    Ok(ReleaseOutcome::AlreadyReleased) => "ALREADY_RELEASED".into(),
+                    Ok(ReleaseOutcome::NotFound) => "NOT_FOUND".into(),
+                    Err(Error::LeaseLost { .. }) => "LEASE_LOST".into(),
+                    Err(other) => return Err(other),
+                }
+            }
+            Op::Advance(_) => String::new(),
+            Op::Forget(index) => {
+                let existed = self.engine.forget(&key(index)).await?;
+                format!("FORGOT existed={existed}")
+            }
+            Op::Reap => {
+                self.engine.store().reap(self.engine.now(), 1000).await?;
+                String::new()
+            }
+        })
+    }
+
+    async fn view(&self, index: usize) -> Result<String, Error> {
+        Ok(match self.engine.lookup(&key(index)).await? {
+            None => "absent".into(),
+            Some(record) => {
+                let state = match record.state {
+                    RecordState::Claimed => "Claimed",
+                    RecordState::Committed => "Committed",
+                    RecordState::Released => "Released",
+                };
+                format!("{state} attempt={}", record.attempt)
+            }
+        })
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn memory_and_sled_stores_follow_the_model(ops in proptest::collection::vec(op(), 1..40)) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let clock = ManualClock::new(UnixMillis(1_000_000));
+            let mut model = Model { now: 1_000_000, ..Model::default() };
+            let mut memory = Subject::new(MemoryStore::new(), &clock);
+            let sled_store = SledStore::open(&SledConfig {
+                path: dir.path().to_path_buf(),
+                sync: SyncMode::Always,
+                cache_capacity_bytes: 4 << 20,
+            })
+            .unwrap();
+            let mut sled = Subject::new(sled_store, &clock);
+            for (step, op) in ops.iter().enumerate() {
+                if let Op::Advance(seconds) = op {
+                    clock.advance(Duration::from_secs(*seconds));
+                }
+                let expected = model.apply(op);
+                let from_memory = memory.apply(op).await.unwrap();
+                let from_sled = sled.apply(op).await.unwrap();
+                prop_assert_eq!(&from_memory, &expected, "memory store, step {} {:?}", step, op);
+                prop_assert_eq!(&from_sled, &expected, "sled store, step {} {:?}", step, op);
+                for index in 0..KEYS {
+                    let expected = model.view(index);
+                    prop_assert_eq!(&memory.view(index).await.unwrap(), &expected, "memory view of {}", index);
+                    prop_assert_eq!(&sled.view(index).await.unwrap(), &expected, "sled view of {}", index);
+                }
+            }
+            Ok(())
+        })?;
+    }
+}
