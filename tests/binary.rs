@@ -249,7 +249,9 @@ async fn sigterm_drains_syncs_and_exits_zero() {
 fn bad_configuration_exits_64_with_one_line_before_touching_anything() {
     let dir = tempfile::tempdir().unwrap();
     let data_dir = dir.path().join("never-created");
-    let cases: Vec<(Vec<&str>, Vec<(&str, &str)>, &str)> = vec![
+    /// Arguments, environment, and a word the error line must contain.
+    type Case<'a> = (Vec<&'a str>, Vec<(&'a str, &'a str)>, &'a str);
+    let cases: Vec<Case> = vec![
         (
             vec!["--default-lease-ttl", "2h"],
             vec![],
