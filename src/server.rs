@@ -5,8 +5,7 @@
 use std::{future::Future, sync::Arc, time::Duration};
 
 use tokio::{net::TcpListener, sync::watch};
-use tokio_stream::wrappers::TcpListenerStream;
-use tonic::transport::Server;
+use tonic::transport::{server::TcpIncoming, Server};
 use tonic_health::{server::HealthReporter, ServingStatus};
 
 use crate::{
@@ -96,18 +95,20 @@ pub async fn run<S: Store>(
     let (drain_began, drain_begun) = tokio::sync::oneshot::channel::<()>();
     let health_on_shutdown = health.clone();
     let serve = Server::builder()
-        .tcp_nodelay(true)
         .trace_fn(|request| tracing::info_span!("rpc", path = %request.uri().path()))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(service)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
-            shutdown.await;
-            tracing::info!("shutdown requested: NOT_SERVING, draining in-flight calls");
-            set_health(&health_on_shutdown, ServingStatus::NotServing).await;
-            let _ = drain_began.send(());
-        });
+        .serve_with_incoming_shutdown(
+            TcpIncoming::from(listener).with_nodelay(Some(true)),
+            async move {
+                shutdown.await;
+                tracing::info!("shutdown requested: NOT_SERVING, draining in-flight calls");
+                set_health(&health_on_shutdown, ServingStatus::NotServing).await;
+                let _ = drain_began.send(());
+            },
+        );
     let grace = config.shutdown_grace;
     let grace_over = async move {
         if drain_begun.await.is_ok() {

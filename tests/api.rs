@@ -607,3 +607,37 @@ async fn reaper_removes_expired_records_from_disk() {
     assert!(!lookup.found);
     server.stop().await.unwrap();
 }
+
+#[tokio::test]
+async fn one_mebibyte_responses_survive_a_restart() {
+    // Entries this large go to sled's separate blob files, which the
+    // committer must sync too.
+    let server = TestServer::start_with(|config| config.limits.max_response_bytes = 1 << 20).await;
+    let mut client = server.client().await;
+    let response: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();
+    for id in ["big-1", "big-2"] {
+        let claimed = claim(&mut client, claim_request(id)).await;
+        client
+            .commit(pb::CommitRequest {
+                response: response.clone(),
+                ..commit_request(id, &claimed.lease_token)
+            })
+            .await
+            .unwrap();
+    }
+    let blobs = std::fs::read_dir(server.dir.path().join("blobs"))
+        .unwrap()
+        .count();
+    assert!(blobs > 0, "the test must exercise sled's blob files");
+    let server = server.restart().await;
+    let mut client = server.client().await;
+    for id in ["big-1", "big-2"] {
+        let duplicate = claim(&mut client, claim_request(id)).await;
+        assert_eq!(outcome(&duplicate), Outcome::Duplicate);
+        assert!(
+            duplicate.record.unwrap().response == response,
+            "{id} response corrupted"
+        );
+    }
+    server.stop().await.unwrap();
+}

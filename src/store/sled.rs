@@ -15,9 +15,10 @@
 //! loss, so the committer calls `sync_data()` on sled's log file after each
 //! flush. All callers waiting while one sync runs share the next one (group
 //! commit); one thread does every flush because sled stalls when many tasks
-//! flush at once. sled writes a value larger than a quarter of a segment
-//! to a separate blob file that it never syncs; segments are 8 MiB here so
-//! that even a record with a 1 MiB response stays in the synced log.
+//! flush at once. sled writes a log entry larger than a quarter of a segment
+//! (128 KiB: a large cached response, or a node holding several) to a blob
+//! file of its own that it never syncs, so the committer also syncs every
+//! new file under `blobs/` before it acknowledges.
 //!
 //! Reads wait too: an answer that reveals a write (a DUPLICATE reporting
 //! someone's commit) must not leave before that write is durable. Two
@@ -71,9 +72,6 @@ pub struct SledConfig {
     pub cache_capacity_bytes: u64,
 }
 
-/// 8 MiB: sled's inline limit is a quarter of a segment, and records must
-/// stay inline (see the module docs).
-const SEGMENT_SIZE: usize = 8 << 20;
 /// Background flush interval when `sync = none`.
 const LAZY_FLUSH_MS: u64 = 500;
 
@@ -141,7 +139,6 @@ impl SledStore {
         let db = sled::Config::new()
             .path(&config.path)
             .cache_capacity(config.cache_capacity_bytes)
-            .segment_size(SEGMENT_SIZE)
             .mode(sled::Mode::HighThroughput)
             .flush_every_ms(match config.sync {
                 SyncMode::Always => None,
@@ -171,6 +168,7 @@ impl SledStore {
             SyncMode::Always => Some(spawn_committer(
                 db.clone(),
                 Arc::clone(&log_file),
+                BlobSyncer::new(config.path.join("blobs")),
                 Arc::clone(&counters),
                 Arc::clone(&failure),
             )?),
@@ -417,6 +415,7 @@ impl Store for SledStore {
 fn spawn_committer(
     db: sled::Db,
     log_file: Arc<File>,
+    mut blobs: BlobSyncer,
     counters: Arc<WriteCounters>,
     failure: Arc<OnceLock<String>>,
 ) -> Result<Committer, Error> {
@@ -432,10 +431,18 @@ fn spawn_committer(
                     Some(reason) => Err(reason.clone()),
                     None => {
                         let finished = counters.finished.load(SeqCst);
-                        let synced = db
-                            .flush()
-                            .map_err(Error::from)
-                            .and_then(|_| log_file.sync_data().map_err(Error::from));
+                        let started = std::time::Instant::now();
+                        let flushed = db.flush().map_err(Error::from);
+                        let flush_time = started.elapsed();
+                        let synced = flushed
+                            .and_then(|_| log_file.sync_data().map_err(Error::from))
+                            .and_then(|()| blobs.sync_new());
+                        tracing::trace!(
+                            group = batch.len(),
+                            flush_us = flush_time.as_micros() as u64,
+                            sync_us = (started.elapsed() - flush_time).as_micros() as u64,
+                            "group commit"
+                        );
                         match synced {
                             Ok(()) => {
                                 counters.durable.fetch_max(finished, SeqCst);
@@ -452,13 +459,57 @@ fn spawn_committer(
                         }
                     }
                 };
-                tracing::trace!(group = batch.len(), "group commit");
                 for waiter in batch.drain(..) {
                     let _ = waiter.send(outcome.clone());
                 }
             }
         })?;
     Ok(Committer { queue, thread })
+}
+
+/// Syncs the blob files sled wrote since the last call (see module docs).
+#[derive(Debug)]
+struct BlobSyncer {
+    directory: PathBuf,
+    synced: std::collections::HashSet<std::ffi::OsString>,
+}
+
+impl BlobSyncer {
+    fn new(directory: PathBuf) -> Self {
+        BlobSyncer {
+            directory,
+            synced: std::collections::HashSet::new(),
+        }
+    }
+
+    fn sync_new(&mut self) -> Result<(), Error> {
+        let entries = match std::fs::read_dir(&self.directory) {
+            Ok(entries) => entries,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(error) => return Err(error.into()),
+        };
+        let mut present = std::collections::HashSet::new();
+        let mut any_new = false;
+        for entry in entries {
+            let name = entry?.file_name();
+            if !self.synced.contains(&name) {
+                match File::open(self.directory.join(&name)) {
+                    Ok(file) => file.sync_data()?,
+                    // Deleted by sled since we listed it: nothing to sync.
+                    Err(error) if error.kind() == std::io::ErrorKind::NotFound => continue,
+                    Err(error) => return Err(error.into()),
+                }
+                any_new = true;
+            }
+            present.insert(name);
+        }
+        if any_new {
+            sync_directory(&self.directory)?;
+        }
+        // sled deletes blobs it no longer needs; forget those names.
+        self.synced = present;
+        Ok(())
+    }
 }
 
 fn sync_directory(path: &Path) -> Result<(), Error> {

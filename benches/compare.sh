@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Runs dedupd against the no-op gRPC server, Redis and PostgreSQL, back to
+# back on this machine, and writes BENCHMARKS.md (ratios, latencies, memory,
+# disk and start-up figures).
+#
+#   benches/compare.sh [--duration 3s] [--repeats 3] [--records 1000000] [--out BENCHMARKS.md]
+#
+# Needs: PostgreSQL on 127.0.0.1:5432 (db test, trust), redis-server on PATH.
+# Starts its own no-op server, two dedupd sidecars (sync always and none) and
+# two private Redis servers (appendfsync always and everysec) on ports
+# 51001-51005 with data in a temp dir, and stops them all on exit.
+# Every server gets one tokio worker / one process and the load generator
+# one worker, so the two CPUs are split the same way for every target.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+duration=3s repeats=3 records=1000000 out=BENCHMARKS.md
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --duration) duration=$2; shift 2 ;;
+    --repeats) repeats=$2; shift 2 ;;
+    --records) records=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    *) echo "unknown option $1" >&2; exit 64 ;;
+  esac
+done
+
+cargo build --release --locked --quiet
+bin=target/release/dedupd
+work=$(mktemp -d)
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+wait_port() { # port
+  for _ in $(seq 1 200); do
+    if bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; then return 0; fi
+    sleep 0.05
+  done
+  echo "nothing answers on port $1" >&2; exit 1
+}
+
+pg_url="postgres://postgres@127.0.0.1:5432/test"
+if ! bash -c "exec 3<>/dev/tcp/127.0.0.1/5432" 2>/dev/null; then
+  echo "PostgreSQL does not answer on 127.0.0.1:5432" >&2; exit 1
+fi
+command -v redis-server >/dev/null || { echo "redis-server is not on PATH" >&2; exit 1; }
+
+"$bin" bench-server --noop --listen 127.0.0.1:51001 --worker-threads 1 2>"$work/noop.log" & pids+=($!)
+"$bin" --listen 127.0.0.1:51002 --data-dir "$work/always" --sync always --worker-threads 1 --log warn 2>"$work/always.log" & pids+=($!)
+always_pid=$!
+"$bin" --listen 127.0.0.1:51003 --data-dir "$work/none" --sync none --worker-threads 1 --log warn 2>"$work/none.log" & pids+=($!)
+for mode in always everysec; do
+  port=$([ $mode = always ] && echo 51004 || echo 51005)
+  mkdir -p "$work/redis-$mode"
+  redis-server --port $port --bind 127.0.0.1 --dir "$work/redis-$mode" --save "" \
+    --appendonly yes --appendfsync $mode --logfile "$work/redis-$mode.log" & pids+=($!)
+done
+for port in 51001 51002 51003 51004 51005; do wait_port $port; done
+
+targets=(
+  "no-op|noop://127.0.0.1:51001"
+  "dedupd sync=always|dedupd://127.0.0.1:51002"
+  "dedupd sync=none|dedupd://127.0.0.1:51003"
+  "Redis appendfsync=always|redis://127.0.0.1:51004"
+  "Redis appendfsync=everysec|redis://127.0.0.1:51005"
+  "PostgreSQL synchronous_commit=on|$pg_url?options=-c%20synchronous_commit%3Don"
+  "PostgreSQL synchronous_commit=off|$pg_url?options=-c%20synchronous_commit%3Doff"
+)
+results="$work/results.jsonl"
+: > "$results"
+run() { # name url workload concurrency [extra args...]
+  local name=$1 url=$2 workload=$3 concurrency=$4; shift 4
+  local json
+  json=$("$bin" bench --target "$url" --workload "$workload" --concurrency "$concurrency" \
+    --duration "$duration" --worker-threads 1 --json "$@") || {
+      echo "bench failed: $name $workload c=$concurrency: $json" >&2; exit 1; }
+  python3 -c 'import json,sys; r=json.loads(sys.argv[2]); r["name"]=sys.argv[1]; print(json.dumps(r))' \
+    "$name" "$json" >> "$results"
+  printf '%-34s %-13s c=%-4s %10s ops/s  p99 %s µs\n' "$name" "$workload" "$concurrency" \
+    "$(python3 -c 'import json,sys; print(int(json.loads(sys.argv[1])["ops_per_sec"]))' "$json")" \
+    "$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["latency_us"]["p99"])' "$json")"
+}
+
+# Repeats are interleaved (every target once, then again) so that a noisy
+# moment on the machine hits all targets alike; the report takes medians.
+for workload in claim claim-commit; do
+  for concurrency in 1 16 64 256; do
+    for _ in $(seq 1 "$repeats"); do
+      for target in "${targets[@]}"; do
+        run "${target%%|*}" "${target#*|}" "$workload" "$concurrency"
+      done
+    done
+  done
+done
+for concurrency in 1 4 16; do
+  for _ in $(seq 1 "$repeats"); do
+    for target in "${targets[@]}"; do
+      run "${target%%|*}" "${target#*|}" batch "$concurrency" --batch-size 500
+    done
+  done
+done
+
+# Memory, disk and start-up with many live records, on a fresh sidecar.
+kill "$always_pid"; wait "$always_pid" 2>/dev/null || true
+rm -rf "$work/big"
+"$bin" --listen 127.0.0.1:51002 --data-dir "$work/big" --sync always --worker-threads 1 --log warn 2>"$work/big.log" &
+big_pid=$!; pids+=($big_pid)
+wait_port 51002
+echo "loading $records claims+commits ..."
+load_started=$(date +%s.%N)
+"$bin" bench --target dedupd://127.0.0.1:51002 --workload batch-commit --batch-size 1000 \
+  --concurrency 4 --requests "$records" --worker-threads 1 --json > "$work/load.json"
+load_seconds=$(python3 -c "print($(date +%s.%N) - $load_started)")
+peak_rss_kb=$(awk '/VmHWM/ {print $2}' /proc/$big_pid/status)
+kill -TERM $big_pid; wait $big_pid 2>/dev/null || true
+disk_bytes=$(du -sb "$work/big" | cut -f1)
+restart_started=$(date +%s.%N)
+"$bin" --listen 127.0.0.1:51002 --data-dir "$work/big" --sync always --worker-threads 1 --log warn 2>>"$work/big.log" &
+big_pid=$!; pids+=($big_pid)
+until "$bin" lookup --addr 127.0.0.1:51002 -n bench probe >/dev/null 2>&1; do sleep 0.01; done
+startup_seconds=$(python3 -c "print($(date +%s.%N) - $restart_started)")
+# Touch a sample of the records so the cache is warm, then read RSS again.
+"$bin" bench --target dedupd://127.0.0.1:51002 --workload claim --concurrency 16 --duration 2s \
+  --worker-threads 1 --json > /dev/null
+rss_after_restart_kb=$(awk '/VmRSS/ {print $2}' /proc/$big_pid/status)
+
+fsync_line=$(dd if=/dev/zero of="$work/dsync.test" bs=4k count=500 oflag=dsync 2>&1 | tail -1)
+python3 benches/report.py "$results" "$out" <<JSON
+{"records": $records, "load_seconds": $load_seconds, "peak_rss_kb": $peak_rss_kb,
+ "disk_bytes": $disk_bytes, "startup_seconds": $startup_seconds,
+ "rss_after_restart_kb": $rss_after_restart_kb, "load": $(cat "$work/load.json"),
+ "duration": "$duration", "repeats": $repeats, "dsync": "$fsync_line"}
+JSON
+echo "wrote $out"

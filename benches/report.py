@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""Turns benches/compare.sh results into BENCHMARKS.md.
+
+argv: results.jsonl out.md; stdin: one JSON object of resource figures.
+"""
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from collections import defaultdict
+
+results_path, out_path = sys.argv[1], sys.argv[2]
+extra = json.load(sys.stdin)
+runs = [json.loads(line) for line in open(results_path) if line.strip()]
+
+ALWAYS, NONE, NOOP = "dedupd sync=always", "dedupd sync=none", "no-op"
+PEERS = [
+    "Redis appendfsync=always",
+    "Redis appendfsync=everysec",
+    "PostgreSQL synchronous_commit=on",
+    "PostgreSQL synchronous_commit=off",
+]
+ORDER = [NOOP, ALWAYS, NONE] + PEERS
+
+by_key = defaultdict(list)
+for run in runs:
+    by_key[(run["workload"], run["concurrency"], run["name"])].append(run)
+
+
+def median(workload, concurrency, name, field="ops_per_sec"):
+    values = []
+    for run in by_key.get((workload, concurrency, name), []):
+        value = run
+        for part in field.split("."):
+            value = value[part]
+        values.append(value)
+    return statistics.median(values) if values else None
+
+
+def fmt_ops(value):
+    return "—" if value is None else f"{value:,.0f}"
+
+
+def fmt_ratio(a, b):
+    return "—" if a is None or not b else f"{a / b:.2f}×"
+
+
+def concurrencies(workload):
+    return sorted({c for (w, c, _) in by_key if w == workload})
+
+
+def cpu_model():
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def mem_total():
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemTotal"):
+            return f"{int(line.split()[1]) / 1024 / 1024:.0f} GiB"
+    return "?"
+
+
+def rustc():
+    try:
+        return subprocess.run(["rustc", "--version"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "rustc ?"
+
+
+lines = []
+out = lines.append
+now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+out("# Benchmarks")
+out("")
+out(f"Produced by `benches/compare.sh` in one run on {now}. Reproduce with")
+out("`benches/compare.sh` (about 15 minutes; `--repeats 1 --duration 2s` for a quick look).")
+out("")
+out("## Machine and method")
+out("")
+out(f"- {cpu_model()}, {os.cpu_count()} CPUs, {mem_total()} RAM, Linux {platform.release()}, {rustc()}")
+out(f"- Disk: `dd bs=4k oflag=dsync` → {extra['dsync']}")
+out(f"- Each figure is the median of {extra['repeats']} runs of {extra['duration']}; the runs of all targets")
+out("  are interleaved so that a noisy moment hits every target alike.")
+out("- CPU split, the same for every target: the load generator (`dedupd bench`) has 1 tokio worker;")
+out("  dedupd and the no-op server have 1 tokio worker each (dedupd also runs its committer thread);")
+out("  Redis is single-threaded; PostgreSQL uses one backend per connection.")
+out("- 4 connections per target; concurrency = tasks issuing calls at once. All on loopback.")
+out("- Operations: dedupd `Claim` (fresh IDs) / `Claim`+`Commit`; the no-op server answers the same")
+out("  proto without a store; Redis `SET key v NX PX 30000` then `SET key committed PX 604800000`;")
+out("  PostgreSQL `INSERT … ON CONFLICT DO NOTHING` into a `processed_events`-shaped table, then `UPDATE`.")
+out("  The peers do less than dedupd (no lease tokens, fencing, attempts, expiry index, or check of")
+out("  who commits); they are what a team would write by hand.")
+out("- Every run checks its own results (fresh IDs must all be CLAIMED, never DUPLICATE); all passed.")
+out("")
+
+for workload, title, unit in [
+    ("claim", "Claim (fresh IDs)", "claims/s"),
+    ("claim-commit", "Claim + Commit pairs", "pairs/s"),
+]:
+    out(f"## {title}: throughput ({unit})")
+    out("")
+    cs = concurrencies(workload)
+    out("| target | " + " | ".join(f"c={c}" for c in cs) + " |")
+    out("|---|" + "---:|" * len(cs))
+    for name in ORDER:
+        out(f"| {name} | " + " | ".join(fmt_ops(median(workload, c, name)) for c in cs) + " |")
+    out("")
+    out(f"### Ratios (dedupd ÷ peer, {title.lower()})")
+    out("")
+    out("| dedupd | vs | " + " | ".join(f"c={c}" for c in cs) + " |")
+    out("|---|---|" + "---:|" * len(cs))
+    for mine in [ALWAYS, NONE]:
+        for peer in [NOOP] + PEERS:
+            out(
+                f"| {mine} | {peer} | "
+                + " | ".join(fmt_ratio(median(workload, c, mine), median(workload, c, peer)) for c in cs)
+                + " |"
+            )
+    out("")
+    out(f"### Latency ({title.lower()}), µs: p50 / p99 / p99.9")
+    out("")
+    out("| target | " + " | ".join(f"c={c}" for c in cs) + " |")
+    out("|---|" + "---:|" * len(cs))
+    for name in ORDER:
+        cells = []
+        for c in cs:
+            p50 = median(workload, c, name, "latency_us.p50")
+            p99 = median(workload, c, name, "latency_us.p99")
+            p999 = median(workload, c, name, "latency_us.p999")
+            cells.append("—" if p50 is None else f"{p50:,.0f} / {p99:,.0f} / {p999:,.0f}")
+        out(f"| {name} | " + " | ".join(cells) + " |")
+    out("")
+
+out("## Batches of 500 claims (ClaimBatch; Redis: one pipeline; PostgreSQL: one INSERT … SELECT unnest)")
+out("")
+cs = concurrencies("batch")
+out("| target | " + " | ".join(f"c={c} claims/s" for c in cs) + " |")
+out("|---|" + "---:|" * len(cs))
+for name in ORDER:
+    out(f"| {name} | " + " | ".join(fmt_ops(median("batch", c, name)) for c in cs) + " |")
+out("")
+
+records = extra["records"]
+out(f"## Resources with {records:,} live records")
+out("")
+out(f"Loaded as {records:,} claims + commits through `ClaimBatch`/`CommitBatch` of 1,000 into a fresh")
+out(f"sidecar (sync=always): {extra['load']['ops_per_sec']:,.0f} claim+commit pairs/s,")
+out(f"{extra['load_seconds']:.1f} s in all.")
+out("")
+out("| figure | value |")
+out("|---|---:|")
+out(f"| peak RSS of the sidecar while loading | {extra['peak_rss_kb'] / 1024:.1f} MiB |")
+out(f"| RSS after restart and 2 s of claims | {extra['rss_after_restart_kb'] / 1024:.1f} MiB |")
+out(f"| disk use after a clean stop | {extra['disk_bytes'] / 1024 / 1024:.1f} MiB |")
+out(f"| disk bytes per live record | {extra['disk_bytes'] / records:,.0f} |")
+out(f"| start-up time (exec to first answered Lookup) | {extra['startup_seconds'] * 1000:,.0f} ms |")
+out("")
+
+out("## Targets of issue 4")
+out("")
+
+
+def verdict(ok):
+    return "met" if ok else "**not met**"
+
+
+claim64 = fmt_ratio(median("claim", 64, ALWAYS), median("claim", 64, NOOP))
+pairs64_redis = median("claim-commit", 64, ALWAYS), median("claim-commit", 64, "Redis appendfsync=always")
+pairs64_pg = median("claim-commit", 64, ALWAYS), median("claim-commit", 64, "PostgreSQL synchronous_commit=on")
+batch_best = max((median("batch", c, ALWAYS) or 0) for c in cs) if cs else 0
+p99_c16 = median("claim", 16, ALWAYS, "latency_us.p99")
+rss_max = max(extra["peak_rss_kb"], extra["rss_after_restart_kb"]) / 1024
+ratio = lambda pair: pair[0] / pair[1] if pair[0] and pair[1] else 0
+out("| target | measured | verdict |")
+out("|---|---:|---|")
+claim_ratio = ratio((median("claim", 64, ALWAYS), median("claim", 64, NOOP)))
+out(f"| durable Claim at c=64 ≥ 0.7 × no-op | {claim64} | {verdict(claim_ratio >= 0.7)} |")
+out(f"| Claim+Commit at c=64 ≥ 1.0 × Redis appendfsync=always | {ratio(pairs64_redis):.2f}× | {verdict(ratio(pairs64_redis) >= 1.0)} |")
+out(f"| Claim+Commit at c=64 ≥ 2.5 × PostgreSQL synchronous_commit=on | {ratio(pairs64_pg):.2f}× | {verdict(ratio(pairs64_pg) >= 2.5)} |")
+out(f"| ClaimBatch of 500 ≥ 300k durable claims/s | {batch_best:,.0f}/s | {verdict(batch_best >= 300_000)} |")
+out(f"| p99 Claim ≤ 1 ms at c=16 | {(p99_c16 or 0) / 1000:.2f} ms | {verdict(p99_c16 is not None and p99_c16 <= 1000)} |")
+out(f"| RSS ≤ 100 MiB with {records:,} live records | {rss_max:.1f} MiB | {verdict(rss_max <= 100)} |")
+out("")
+
+generated = "\n".join(lines) + "\n"
+# Keep the hand-written analysis that follows the generated part.
+marker = "<!-- analysis: kept by benches/report.py -->"
+analysis = ""
+if os.path.exists(out_path):
+    previous = open(out_path).read()
+    if marker in previous:
+        analysis = previous[previous.index(marker):]
+open(out_path, "w").write(generated + ("\n" + analysis if analysis else ""))
