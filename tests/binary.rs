@@ -424,3 +424,116 @@ fn cli_claims_commits_and_reports_outcomes_with_exit_codes() {
     assert_eq!(code, 13, "STALE exit code: {stdout}");
     assert!(stdout.contains("highest_committed_sequence: 2"), "{stdout}");
 }
+
+fn bench_json(args: &[&str]) -> Value {
+    let output = Command::new(BINARY)
+        .arg("bench")
+        .args(args)
+        .args([
+            "--json",
+            "--worker-threads",
+            "1",
+            "--concurrency",
+            "8",
+            "--channels",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "bench {args:?} failed: {stdout} {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_str(&stdout).expect("one JSON object")
+}
+
+/// A smoke run of every bench target and workload: it works and checks
+/// itself. Never a timing assertion.
+#[test]
+fn bench_smoke_against_dedupd_noop_redis_and_postgres() {
+    let dir = tempfile::tempdir().unwrap();
+    let sidecar = Sidecar::start(dir.path());
+    let noop_port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let _noop = KillOnDrop(
+        Command::new(BINARY)
+            .args([
+                "bench-server",
+                "--noop",
+                "--worker-threads",
+                "1",
+                "--listen",
+            ])
+            .arg(format!("127.0.0.1:{noop_port}"))
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let started = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", noop_port)).is_err() {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "no-op server did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let dedupd = format!("dedupd://{}", sidecar.addr);
+    let noop_url = format!("noop://127.0.0.1:{noop_port}");
+    let targets = [
+        dedupd.as_str(),
+        noop_url.as_str(),
+        "redis://127.0.0.1:6379",
+        "postgres://postgres@127.0.0.1:5432/test",
+    ];
+    for target in targets {
+        for (workload, extra) in [
+            ("claim", vec![]),
+            ("claim-commit", vec![]),
+            ("duplicate-heavy", vec!["--duplicate-share", "0.5"]),
+            ("batch", vec!["--batch-size", "50"]),
+            ("batch-commit", vec!["--batch-size", "50"]),
+        ] {
+            let mut args = vec![
+                "--target",
+                target,
+                "--workload",
+                workload,
+                "--requests",
+                "400",
+            ];
+            args.extend(extra);
+            let report = bench_json(&args);
+            assert_eq!(
+                report["checks_passed"], true,
+                "{target} {workload}: {report}"
+            );
+            assert_eq!(report["errors"], 0, "{target} {workload}: {report}");
+            assert!(
+                report["ops"].as_u64().unwrap() >= 400,
+                "{target} {workload}: {report}"
+            );
+            let claimed = report["outcomes"]["CLAIMED"].as_u64().unwrap_or(0);
+            assert!(claimed > 0, "{target} {workload}: {report}");
+            if workload == "duplicate-heavy" && !target.starts_with("noop") {
+                assert!(
+                    report["outcomes"]["DUPLICATE"].as_u64().unwrap_or(0) > 0,
+                    "{report}"
+                );
+            }
+        }
+    }
+}
+
+/// Kills a child process when the test ends, even by a panic.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
