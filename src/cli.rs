@@ -7,7 +7,12 @@ use std::time::{Duration, SystemTime};
 
 use clap::{Args, Subcommand};
 use serde_json::{json, Value};
-use tonic::{transport::Channel, Code, Status};
+use tonic::{
+    metadata::{Ascii, MetadataValue},
+    service::Interceptor,
+    transport::{Channel, Endpoint},
+    Code, Status,
+};
 use tonic_types::StatusExt;
 
 use crate::proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient};
@@ -38,6 +43,9 @@ pub struct Connection {
     /// Print the answer as one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// Bearer token, when the sidecar requires one.
+    #[arg(long, env = "DEDUPD_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
 }
 
 /// The client commands.
@@ -127,6 +135,15 @@ pub enum ClientCommand {
         /// The correlation ID.
         correlation_id: String,
     },
+    /// Ask the sidecar's gRPC health service; exits 0 only when SERVING
+    /// (the image's HEALTHCHECK).
+    Health {
+        #[command(flatten)]
+        connection: Connection,
+        /// The service to ask about (empty: the whole server).
+        #[arg(long, default_value = "dedup.v1.ClaimAndCommit")]
+        service: String,
+    },
 }
 
 /// Runs one client command; returns the process exit code.
@@ -137,7 +154,8 @@ pub async fn run(command: ClientCommand) -> i32 {
         | ClientCommand::Release { connection, .. }
         | ClientCommand::Renew { connection, .. }
         | ClientCommand::Lookup { connection, .. }
-        | ClientCommand::Forget { connection, .. } => connection.clone(),
+        | ClientCommand::Forget { connection, .. }
+        | ClientCommand::Health { connection, .. } => connection.clone(),
     };
     match call(command, &connection).await {
         Ok((code, answer)) => {
@@ -152,7 +170,14 @@ pub async fn run(command: ClientCommand) -> i32 {
 }
 
 async fn call(command: ClientCommand, connection: &Connection) -> Result<(i32, Value), Status> {
-    let mut client = connect(&connection.addr).await?;
+    let channel = channel(&connection.addr).await?;
+    if let ClientCommand::Health { service, .. } = &command {
+        return health(channel, service).await;
+    }
+    let mut client = ClaimAndCommitClient::with_interceptor(
+        channel,
+        BearerToken::new(connection.token.as_deref())?,
+    );
     let namespace = connection.namespace.clone();
     let proto_duration = |d: Option<humantime::Duration>| d.map(|d| crate::api::duration(d.into()));
     match command {
@@ -260,6 +285,7 @@ async fn call(command: ClientCommand, connection: &Connection) -> Result<(i32, V
             }
             Ok((0, value))
         }
+        ClientCommand::Health { .. } => unreachable!("answered above"),
         ClientCommand::Forget { correlation_id, .. } => {
             let answer = client
                 .forget(pb::ForgetRequest {
@@ -273,20 +299,87 @@ async fn call(command: ClientCommand, connection: &Connection) -> Result<(i32, V
     }
 }
 
-async fn connect(addr: &str) -> Result<ClaimAndCommitClient<Channel>, Status> {
+/// Connects to `addr`: `HOST:PORT`, `http://HOST:PORT` or `unix:///path`.
+pub async fn channel(addr: &str) -> Result<Channel, Status> {
+    let unavailable =
+        |e: tonic::transport::Error| Status::unavailable(format!("cannot connect to {addr}: {e}"));
+    if let Some(path) = addr
+        .strip_prefix("unix://")
+        .or_else(|| addr.strip_prefix("unix:"))
+    {
+        let path = std::path::PathBuf::from(path);
+        // The URI is required but unused: the connector dials the socket.
+        return Endpoint::from_static("http://localhost")
+            .connect_timeout(Duration::from_secs(5))
+            .connect_with_connector(tower::service_fn(move |_| {
+                let path = path.clone();
+                async move {
+                    let stream = tokio::net::UnixStream::connect(path).await?;
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+                }
+            }))
+            .await
+            .map_err(unavailable);
+    }
     let uri = if addr.contains("://") {
         addr.to_owned()
     } else {
         format!("http://{addr}")
     };
-    let endpoint = Channel::from_shared(uri)
+    Endpoint::from_shared(uri)
         .map_err(|e| Status::invalid_argument(format!("--addr {addr:?}: {e}")))?
-        .connect_timeout(Duration::from_secs(5));
-    let channel = endpoint
+        .connect_timeout(Duration::from_secs(5))
         .connect()
         .await
-        .map_err(|e| Status::unavailable(format!("cannot connect to {addr}: {e}")))?;
-    Ok(ClaimAndCommitClient::new(channel))
+        .map_err(unavailable)
+}
+
+/// Adds `authorization: Bearer <token>` to every call, when a token is set.
+#[derive(Debug, Clone)]
+pub struct BearerToken(Option<MetadataValue<Ascii>>);
+
+impl BearerToken {
+    /// An interceptor sending `token` (none: calls go without).
+    pub fn new(token: Option<&str>) -> Result<Self, Status> {
+        token
+            .map(|token| {
+                format!("Bearer {token}").parse().map_err(|_| {
+                    Status::invalid_argument("--token holds characters a header cannot carry")
+                })
+            })
+            .transpose()
+            .map(BearerToken)
+    }
+}
+
+impl Interceptor for BearerToken {
+    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
+        if let Some(value) = &self.0 {
+            request
+                .metadata_mut()
+                .insert("authorization", value.clone());
+        }
+        Ok(request)
+    }
+}
+
+async fn health(channel: Channel, service: &str) -> Result<(i32, Value), Status> {
+    use tonic_health::pb::{
+        health_check_response::ServingStatus, health_client::HealthClient, HealthCheckRequest,
+    };
+    let status = HealthClient::new(channel)
+        .check(HealthCheckRequest {
+            service: service.to_owned(),
+        })
+        .await?
+        .into_inner()
+        .status();
+    let code = if status == ServingStatus::Serving {
+        0
+    } else {
+        exit_code::ERROR
+    };
+    Ok((code, json!({ "status": status.as_str_name() })))
 }
 
 fn claim_answer(answer: &pb::ClaimResponse) -> (i32, Value) {

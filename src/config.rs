@@ -13,6 +13,9 @@ use crate::{
     bench::BenchArgs,
     cli::ClientCommand,
     clock::SystemClock,
+    guard::{GuardConfig, Tokens},
+    listen::ListenAddr,
+    metrics::Metrics,
     server::ServerConfig,
     store::sled::{SledConfig, SyncMode},
 };
@@ -77,9 +80,36 @@ pub enum LogFormat {
 /// Server settings.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
-    /// Address to serve gRPC on.
-    #[arg(long, env = "DEDUPD_LISTEN", default_value = "127.0.0.1:50051")]
-    pub listen: SocketAddr,
+    /// Where to serve gRPC: HOST:PORT and/or unix:///path.sock, comma-separated.
+    #[arg(
+        long,
+        env = "DEDUPD_LISTEN",
+        default_value = "127.0.0.1:50051",
+        value_delimiter = ','
+    )]
+    pub listen: Vec<ListenAddr>,
+    /// Where to serve /metrics, /healthz and /readyz over HTTP, or `off`.
+    #[arg(long, env = "DEDUPD_METRICS_LISTEN", default_value = "127.0.0.1:9090")]
+    pub metrics_listen: String,
+    /// File holding the bearer token every call must present (recommended
+    /// over DEDUPD_AUTH_TOKEN). Without a token, calls are not authenticated.
+    #[arg(long, env = "DEDUPD_AUTH_TOKEN_FILE")]
+    pub auth_token_file: Option<PathBuf>,
+    /// The bearer token itself, from the environment.
+    #[arg(long, env = "DEDUPD_AUTH_TOKEN", hide_env_values = true, hide = true)]
+    pub auth_token: Option<String>,
+    /// File holding the admin token, the only one that may call Forget.
+    #[arg(long, env = "DEDUPD_ADMIN_TOKEN_FILE")]
+    pub admin_token_file: Option<PathBuf>,
+    /// The admin token itself, from the environment.
+    #[arg(long, env = "DEDUPD_ADMIN_TOKEN", hide_env_values = true, hide = true)]
+    pub admin_token: Option<String>,
+    /// Longest a call may take before it is answered UNAVAILABLE.
+    #[arg(long, env = "DEDUPD_REQUEST_TIMEOUT", default_value = "10s")]
+    pub request_timeout: humantime::Duration,
+    /// Calls in progress at once; more are refused with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "DEDUPD_MAX_CONCURRENT_REQUESTS", default_value_t = 1024)]
+    pub max_concurrent_requests: usize,
     /// Store backend.
     #[arg(long, env = "DEDUPD_STORE", value_enum, default_value_t = StoreKind::Sled)]
     pub store: StoreKind,
@@ -138,8 +168,10 @@ pub struct ServeArgs {
 /// A validated server configuration.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    /// Where to listen.
-    pub listen: SocketAddr,
+    /// Where to serve gRPC.
+    pub listen: Vec<ListenAddr>,
+    /// Where to serve the ops endpoints.
+    pub metrics_listen: Option<SocketAddr>,
     /// The sled store's settings.
     pub sled: SledConfig,
     /// The server's settings.
@@ -160,6 +192,40 @@ fn parse_namespace_retention(text: &str) -> Result<(String, Duration), String> {
     let duration = humantime::parse_duration(duration)
         .map_err(|e| format!("retention of {namespace:?}: {e}"))?;
     Ok((namespace.to_owned(), duration))
+}
+
+/// Shortest token accepted: guessing must not be an option.
+const MIN_TOKEN_BYTES: usize = 16;
+
+fn read_token(
+    kind: &str,
+    file: Option<&std::path::Path>,
+    value: Option<&str>,
+) -> Result<Option<String>, String> {
+    let token = match (file, value) {
+        (Some(_), Some(_)) => {
+            return Err(format!(
+                "give the {kind} token as a file or in the environment, not both"
+            ))
+        }
+        (Some(file), None) => std::fs::read_to_string(file)
+            .map_err(|e| format!("--{kind}-token-file {}: {e}", file.display()))?
+            .trim_end_matches(['\r', '\n'])
+            .to_owned(),
+        (None, Some(value)) => value.to_owned(),
+        (None, None) => return Ok(None),
+    };
+    if token.len() < MIN_TOKEN_BYTES {
+        return Err(format!(
+            "the {kind} token must be at least {MIN_TOKEN_BYTES} bytes"
+        ));
+    }
+    if token.chars().any(|c| c.is_control() || c == ' ') {
+        return Err(format!(
+            "the {kind} token must not contain spaces or control characters"
+        ));
+    }
+    Ok(Some(token))
 }
 
 fn check_duration(name: &str, value: Duration, max: Duration) -> Result<(), String> {
@@ -233,10 +299,53 @@ impl ServeArgs {
                 self.data_dir.display()
             ));
         }
+        let metrics_listen = match self.metrics_listen.as_str() {
+            "off" | "" => None,
+            address => Some(address.parse::<SocketAddr>().map_err(|_| {
+                format!("--metrics-listen {address:?} is neither HOST:PORT nor off")
+            })?),
+        };
+        for address in &self.listen {
+            if let ListenAddr::Unix(path) = address {
+                let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
+                if parent.is_some_and(|parent| !parent.is_dir()) {
+                    return Err(format!(
+                        "--listen {address}: directory {} does not exist",
+                        parent.unwrap_or(path).display()
+                    ));
+                }
+            }
+        }
+        let client_token = read_token(
+            "auth",
+            self.auth_token_file.as_deref(),
+            self.auth_token.as_deref(),
+        )?;
+        let admin_token = read_token(
+            "admin",
+            self.admin_token_file.as_deref(),
+            self.admin_token.as_deref(),
+        )?;
+        let tokens = match (client_token, admin_token) {
+            (Some(client), admin) => Some(Tokens::new(&client, admin.as_deref())),
+            (None, Some(_)) => {
+                return Err("an admin token needs a client token too (--auth-token-file)".into())
+            }
+            (None, None) => None,
+        };
+        if self.max_concurrent_requests == 0 {
+            return Err("--max-concurrent-requests must be at least 1".into());
+        }
+        check_duration(
+            "request-timeout",
+            self.request_timeout.into(),
+            Duration::from_secs(3600),
+        )?;
         let log_filter = tracing_subscriber::EnvFilter::try_new(&self.log)
             .map_err(|e| format!("--log {:?} is not a valid filter: {e}", self.log))?;
         Ok(Settings {
-            listen: self.listen,
+            listen: self.listen.clone(),
+            metrics_listen,
             sled: SledConfig {
                 path: self.data_dir.clone(),
                 sync: self.sync,
@@ -256,6 +365,12 @@ impl ServeArgs {
                 reaper_interval: self.reaper_interval.into(),
                 reaper_batch: 10_000,
                 max_message_bytes: self.max_message_bytes,
+                guard: GuardConfig {
+                    tokens,
+                    max_concurrent_requests: self.max_concurrent_requests,
+                    request_timeout: self.request_timeout.into(),
+                },
+                metrics: Arc::new(Metrics::new()),
                 clock: Arc::new(SystemClock),
             },
             log_format: self.log_format,

@@ -12,6 +12,7 @@ use crate::{
     },
     error::Error,
     machine,
+    metrics::{Metrics, OutcomeLabel},
     store::Store,
 };
 
@@ -19,6 +20,7 @@ use crate::{
 pub struct Engine<S> {
     store: Arc<S>,
     clock: Arc<dyn Clock>,
+    metrics: Arc<Metrics>,
 }
 
 impl<S> fmt::Debug for Engine<S> {
@@ -34,6 +36,7 @@ impl<S> Clone for Engine<S> {
         Engine {
             store: Arc::clone(&self.store),
             clock: Arc::clone(&self.clock),
+            metrics: Arc::clone(&self.metrics),
         }
     }
 }
@@ -41,7 +44,21 @@ impl<S> Clone for Engine<S> {
 impl<S: Store> Engine<S> {
     /// An engine over `store`, telling time by `clock`.
     pub fn new(store: Arc<S>, clock: Arc<dyn Clock>) -> Self {
-        Engine { store, clock }
+        Engine {
+            store,
+            clock,
+            metrics: Arc::new(Metrics::new()),
+        }
+    }
+
+    /// The same engine, counting its outcomes in `metrics`.
+    pub fn with_metrics(self, metrics: Arc<Metrics>) -> Self {
+        Engine { metrics, ..self }
+    }
+
+    /// The metrics the engine counts in.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
     }
 
     /// The store.
@@ -121,6 +138,9 @@ impl<S: Store> Engine<S> {
                 Ok(machine::renew(current, request, now))
             })
             .await?;
+        if outcome.is_err() {
+            self.count(&request.key, OutcomeLabel::LeaseLost);
+        }
         self.store.durable().await?;
         outcome.map_err(|LeaseLost| lease_lost(&request.key))
     }
@@ -159,7 +179,8 @@ impl<S: Store> Engine<S> {
             None => None,
         };
         let lease_token = LeaseToken::random();
-        self.store
+        let outcome = self
+            .store
             .update(&request.key, |current, issue_fencing| {
                 machine::claim(
                     current,
@@ -170,7 +191,23 @@ impl<S: Store> Engine<S> {
                     issue_fencing,
                 )
             })
-            .await
+            .await?;
+        let label = match &outcome {
+            ClaimOutcome::Claimed {
+                recovered: true, ..
+            } => OutcomeLabel::Recovered,
+            ClaimOutcome::Claimed { .. } => OutcomeLabel::Claimed,
+            ClaimOutcome::Duplicate { .. } => OutcomeLabel::Duplicate,
+            ClaimOutcome::InProgress { .. } => OutcomeLabel::InProgress,
+            ClaimOutcome::FingerprintMismatch { .. } => OutcomeLabel::FingerprintMismatch,
+            ClaimOutcome::Stale { .. } => OutcomeLabel::Stale,
+        };
+        self.count(&request.key, label);
+        Ok(outcome)
+    }
+
+    fn count(&self, key: &Key, outcome: OutcomeLabel) {
+        self.metrics.outcome(key.namespace(), outcome);
     }
 
     async fn commit_unsynced(
@@ -184,6 +221,11 @@ impl<S: Store> Engine<S> {
                 Ok(machine::commit(current, request, now))
             })
             .await?;
+        match &outcome {
+            Ok(CommitOutcome::Committed(_)) => self.count(&request.key, OutcomeLabel::Committed),
+            Ok(CommitOutcome::AlreadyCommitted(_)) => {}
+            Err(LeaseLost) => self.count(&request.key, OutcomeLabel::LeaseLost),
+        }
         if let Ok(committed) = &outcome {
             // Also on ALREADY_COMMITTED: if we crashed between the record and
             // the mark, the client's retry is what raises the mark.
@@ -198,11 +240,18 @@ impl<S: Store> Engine<S> {
         request: &ReleaseRequest,
     ) -> Result<Result<ReleaseOutcome, LeaseLost>, Error> {
         let now = self.clock.now();
-        self.store
+        let outcome = self
+            .store
             .update(&request.key, |current, _| {
                 Ok(machine::release(current, request, now))
             })
-            .await
+            .await?;
+        match outcome {
+            Ok(ReleaseOutcome::Released) => self.count(&request.key, OutcomeLabel::Released),
+            Ok(ReleaseOutcome::AlreadyReleased | ReleaseOutcome::NotFound) => {}
+            Err(LeaseLost) => self.count(&request.key, OutcomeLabel::LeaseLost),
+        }
+        Ok(outcome)
     }
 
     async fn raise_mark(

@@ -11,7 +11,11 @@
 //! - [`engine`]: runs requests through the machine on a store, durably.
 //! - [`api`]: protobuf ↔ domain, with every field validated.
 //! - [`service`]: the gRPC handlers.
-//! - [`server`]: assembles the gRPC server and runs it until shutdown.
+//! - [`server`]: assembles the servers and runs them until shutdown.
+//! - [`listen`]: TCP and Unix-socket listeners.
+//! - [`guard`]: the tower layer for tokens, admission, timeouts and RPC timing.
+//! - [`ops`]: `/metrics`, `/healthz`, `/readyz` over HTTP.
+//! - [`metrics`]: the Prometheus metrics.
 //! - [`config`]: flags and `DEDUPD_*` variables.
 //! - [`cli`]: the command-line client.
 //! - [`bench`]: the load generator and the no-op server it measures against.
@@ -26,11 +30,15 @@ pub mod config;
 pub mod domain;
 pub mod engine;
 pub mod error;
+pub mod guard;
+pub mod listen;
 pub mod machine;
+pub mod metrics;
+pub mod ops;
 pub mod proto;
 pub mod server;
 pub mod service;
 pub mod store;
 
 pub use error::Error;
-pub use server::{run, ServerConfig};
+pub use server::{run, Listeners, ServerConfig};

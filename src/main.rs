@@ -9,7 +9,9 @@ use clap::{error::ErrorKind, Parser};
 use dedupd::{
     bench, cli,
     config::{BenchServerArgs, Cli, Command, LogFormat, ServeArgs, Settings},
+    listen::Listener,
     store::sled::SledStore,
+    Listeners,
 };
 use tokio::net::TcpListener;
 
@@ -115,21 +117,36 @@ fn serve(args: &ServeArgs) -> ExitCode {
         Err(code) => return code,
     };
     runtime.block_on(async move {
-        let store = match SledStore::open(&settings.sled) {
+        let metrics = Arc::clone(&settings.server.metrics);
+        let store = match SledStore::open_with_metrics(&settings.sled, Some(metrics)) {
             Ok(store) => Arc::new(store),
             Err(error) => {
                 tracing::error!(%error, data_dir = %settings.sled.path.display(), "cannot open the store");
                 return ExitCode::FAILURE;
             }
         };
-        let listener = match TcpListener::bind(settings.listen).await {
-            Ok(listener) => listener,
-            Err(error) => {
-                tracing::error!(%error, listen = %settings.listen, "cannot listen");
-                return ExitCode::FAILURE;
+        let mut grpc = Vec::with_capacity(settings.listen.len());
+        for address in &settings.listen {
+            match Listener::bind(address).await {
+                Ok(listener) => grpc.push(listener),
+                Err(error) => {
+                    tracing::error!(%error, listen = %address, "cannot listen");
+                    return ExitCode::FAILURE;
+                }
             }
+        }
+        let ops = match settings.metrics_listen {
+            None => None,
+            Some(address) => match TcpListener::bind(address).await {
+                Ok(listener) => Some(listener),
+                Err(error) => {
+                    tracing::error!(%error, listen = %address, "cannot listen for metrics");
+                    return ExitCode::FAILURE;
+                }
+            },
         };
-        match dedupd::run(listener, store, settings.server, shutdown_signal()).await {
+        let listeners = Listeners { grpc, ops };
+        match dedupd::run(listeners, store, settings.server, shutdown_signal()).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(_) => ExitCode::FAILURE,
         }

@@ -1,10 +1,19 @@
-//! Assembles and runs the gRPC server: the dedup service, gRPC health and
-//! reflection on one listener, the maintenance task (reaper and health
-//! watch), and the shutdown sequence of SPEC §7.
+//! Assembles and runs the servers: the gRPC API (dedup service, health and
+//! reflection) on every listener behind the guard layer, the ops HTTP server,
+//! the maintenance task (reaper and health watch), and the shutdown sequence
+//! of SPEC §7.
 
-use std::{future::Future, sync::Arc, time::Duration};
+use std::{
+    future::Future,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
 
-use tokio::{net::TcpListener, sync::watch};
+use tokio::{net::TcpListener, sync::watch, task::JoinSet};
+use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::{server::TcpIncoming, Server};
 use tonic_health::{server::HealthReporter, ServingStatus};
 
@@ -13,6 +22,10 @@ use crate::{
     clock::{Clock, SystemClock},
     engine::Engine,
     error::Error,
+    guard::{GuardConfig, GuardLayer},
+    listen::Listener,
+    metrics::Metrics,
+    ops,
     proto::{v1::claim_and_commit_server::ClaimAndCommitServer, FILE_DESCRIPTOR_SET},
     service::DedupService,
     store::Store,
@@ -21,7 +34,7 @@ use crate::{
 /// The name health checks use for the dedup service.
 pub const SERVICE_NAME: &str = "dedup.v1.ClaimAndCommit";
 
-/// Everything `run` needs besides the listener and the store.
+/// Everything `run` needs besides the listeners and the store.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     /// Request limits and defaults.
@@ -34,6 +47,10 @@ pub struct ServerConfig {
     pub reaper_batch: usize,
     /// Largest gRPC message accepted or sent, in bytes.
     pub max_message_bytes: usize,
+    /// Tokens, admission and timeout.
+    pub guard: GuardConfig,
+    /// Where the metrics are counted.
+    pub metrics: Arc<Metrics>,
     /// The time source.
     pub clock: Arc<dyn Clock>,
 }
@@ -46,92 +63,184 @@ impl Default for ServerConfig {
             reaper_interval: Duration::from_secs(10),
             reaper_batch: 10_000,
             max_message_bytes: 16 << 20,
+            guard: GuardConfig {
+                tokens: None,
+                max_concurrent_requests: 1024,
+                request_timeout: Duration::from_secs(10),
+            },
+            metrics: Arc::new(Metrics::new()),
             clock: Arc::new(SystemClock),
         }
     }
 }
 
-/// Serves the API on `listener` until `shutdown` resolves, then reports
+/// The bound sockets `run` serves on.
+#[derive(Debug)]
+pub struct Listeners {
+    /// gRPC listeners (TCP and Unix sockets), all serving the same API.
+    pub grpc: Vec<Listener>,
+    /// The ops HTTP listener (`/metrics`, `/healthz`, `/readyz`), if any.
+    pub ops: Option<TcpListener>,
+}
+
+impl From<TcpListener> for Listeners {
+    fn from(listener: TcpListener) -> Self {
+        Listeners {
+            grpc: vec![Listener::Tcp(listener)],
+            ops: None,
+        }
+    }
+}
+
+/// Serves the API on every listener until `shutdown` resolves, then reports
 /// NOT_SERVING, stops accepting, lets in-flight calls finish within the grace
 /// period, and makes the store durable one last time.
 pub async fn run<S: Store>(
-    listener: TcpListener,
+    listeners: impl Into<Listeners>,
     store: Arc<S>,
     config: ServerConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
-    let engine = Engine::new(Arc::clone(&store), Arc::clone(&config.clock));
+    let listeners = listeners.into();
+    let engine = Engine::new(Arc::clone(&store), Arc::clone(&config.clock))
+        .with_metrics(Arc::clone(&config.metrics));
     let limits = Arc::new(config.limits.clone());
-    let service = ClaimAndCommitServer::new(DedupService::new(engine.clone(), limits))
-        .max_decoding_message_size(config.max_message_bytes)
-        .max_encoding_message_size(config.max_message_bytes);
-
     let (health, health_service) = tonic_health::server::health_reporter();
     set_health(&health, ServingStatus::Serving).await;
-    let reflection_v1 = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
-        .map_err(|e| Error::Server(format!("reflection: {e}")))?;
-    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()
-        .map_err(|e| Error::Server(format!("reflection: {e}")))?;
+    let ready = Arc::new(AtomicBool::new(true));
 
-    let (stop_maintenance, maintenance_stopped) = watch::channel(false);
+    // One signal fans out to every server: first NOT_SERVING, then stop.
+    let (stopping, stop) = watch::channel(false);
+    {
+        let health = health.clone();
+        let ready = Arc::clone(&ready);
+        tokio::spawn(async move {
+            shutdown.await;
+            tracing::info!("shutdown requested: NOT_SERVING, draining in-flight calls");
+            ready.store(false, Ordering::SeqCst);
+            set_health(&health, ServingStatus::NotServing).await;
+            let _ = stopping.send(true);
+        });
+    }
+    let stopped = move || {
+        let mut stop = stop.clone();
+        async move {
+            let _ = stop.wait_for(|stopping| *stopping).await;
+        }
+    };
+
     let maintenance = tokio::spawn(maintain(
-        engine,
+        engine.clone(),
         health.clone(),
         config.reaper_interval,
         config.reaper_batch,
-        maintenance_stopped,
+        stopped(),
     ));
 
-    match listener.local_addr() {
-        Ok(address) => tracing::info!(%address, "dedupd serving"),
-        Err(error) => tracing::warn!(%error, "dedupd serving on an unknown address"),
+    let mut servers = JoinSet::new();
+    for listener in listeners.grpc {
+        tracing::info!(address = %listener.describe(), "dedupd serving");
+        let service =
+            ClaimAndCommitServer::new(DedupService::new(engine.clone(), Arc::clone(&limits)))
+                .max_decoding_message_size(config.max_message_bytes)
+                .max_encoding_message_size(config.max_message_bytes);
+        let reflection_v1 = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1()
+            .map_err(|e| Error::Server(format!("reflection: {e}")))?;
+        let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1alpha()
+            .map_err(|e| Error::Server(format!("reflection: {e}")))?;
+        let router = Server::builder()
+            .trace_fn(|request| tracing::debug_span!("rpc", path = %request.uri().path()))
+            .layer(GuardLayer::new(&config.guard, Arc::clone(&config.metrics)))
+            .add_service(health_service.clone())
+            .add_service(reflection_v1)
+            .add_service(reflection_v1alpha)
+            .add_service(service);
+        let signal = stopped();
+        match listener {
+            Listener::Tcp(tcp) => {
+                let incoming = TcpIncoming::from(tcp).with_nodelay(Some(true));
+                servers.spawn(async move {
+                    router
+                        .serve_with_incoming_shutdown(incoming, signal)
+                        .await
+                        .map_err(|e| Error::Server(e.to_string()))
+                });
+            }
+            Listener::Unix(unix, socket_file) => {
+                servers.spawn(async move {
+                    let served = router
+                        .serve_with_incoming_shutdown(UnixListenerStream::new(unix), signal)
+                        .await
+                        .map_err(|e| Error::Server(e.to_string()));
+                    drop(socket_file);
+                    served
+                });
+            }
+        }
     }
-    let (drain_began, drain_begun) = tokio::sync::oneshot::channel::<()>();
-    let health_on_shutdown = health.clone();
-    let serve = Server::builder()
-        .trace_fn(|request| tracing::info_span!("rpc", path = %request.uri().path()))
-        .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
-        .add_service(service)
-        .serve_with_incoming_shutdown(
-            TcpIncoming::from(listener).with_nodelay(Some(true)),
-            async move {
-                shutdown.await;
-                tracing::info!("shutdown requested: NOT_SERVING, draining in-flight calls");
-                set_health(&health_on_shutdown, ServingStatus::NotServing).await;
-                let _ = drain_began.send(());
-            },
-        );
-    let grace = config.shutdown_grace;
-    let grace_over = async move {
-        if drain_begun.await.is_ok() {
-            tokio::time::sleep(grace).await;
-        } else {
-            std::future::pending::<()>().await;
+    if let Some(listener) = listeners.ops {
+        match listener.local_addr() {
+            Ok(address) => {
+                tracing::info!(%address, "ops endpoints (/metrics, /healthz, /readyz) serving")
+            }
+            Err(error) => tracing::warn!(%error, "ops endpoints serving on an unknown address"),
         }
-    };
-    let served = tokio::select! {
-        served = serve => served.map_err(|e| Error::Server(e.to_string())),
-        () = grace_over => {
-            tracing::warn!(?grace, "grace period over: dropping calls still in flight");
-            Ok(())
-        }
-    };
+        let (engine, ready, signal) = (engine.clone(), Arc::clone(&ready), stopped());
+        servers.spawn(async move {
+            ops::serve(listener, engine, ready, signal)
+                .await
+                .map_err(|e| Error::Server(format!("ops server: {e}")))
+        });
+    }
 
-    let _ = stop_maintenance.send(true);
+    // Wait for the servers; once shutdown began, for at most the grace period.
+    let grace = config.shutdown_grace;
+    let grace_over = {
+        let signal = stopped();
+        async move {
+            signal.await;
+            tokio::time::sleep(grace).await;
+        }
+    };
+    tokio::pin!(grace_over);
+    let mut served = Ok(());
+    loop {
+        tokio::select! {
+            next = servers.join_next() => match next {
+                None => break,
+                Some(Ok(Ok(()))) => {}
+                Some(Ok(Err(error))) => {
+                    tracing::error!(%error, "a server failed; shutting down");
+                    served = Err(error);
+                    break;
+                }
+                Some(Err(join)) => {
+                    served = Err(Error::Server(format!("server task failed: {join}")));
+                    break;
+                }
+            },
+            () = &mut grace_over => {
+                tracing::warn!(?grace, "grace period over: dropping calls still in flight");
+                break;
+            }
+        }
+    }
+    servers.abort_all();
+    while servers.join_next().await.is_some() {}
+
+    maintenance.abort();
     let _ = maintenance.await;
     let closed = store.close().await;
     match (&served, &closed) {
         (Ok(()), Ok(())) => tracing::info!("dedupd stopped; store synced"),
         (_, Err(error)) => tracing::error!(%error, "final store sync failed"),
-        (Err(error), _) => tracing::error!(%error, "server failed"),
+        (Err(_), Ok(())) => tracing::info!("dedupd stopped after a server failure; store synced"),
     }
     served.and(closed)
 }
@@ -148,15 +257,16 @@ async fn maintain<S: Store>(
     health: HealthReporter,
     interval: Duration,
     batch: usize,
-    mut stop: watch::Receiver<bool>,
+    stop: impl Future<Output = ()>,
 ) {
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut serving = true;
+    tokio::pin!(stop);
     loop {
         tokio::select! {
             _ = ticker.tick() => {}
-            _ = stop.changed() => return,
+            () = &mut stop => return,
         }
         let healthy = engine.store().health().is_ok();
         if healthy != serving {
@@ -172,6 +282,7 @@ async fn maintain<S: Store>(
         loop {
             match engine.store().reap(engine.now(), batch).await {
                 Ok(report) => {
+                    engine.metrics().reaper_pass(report.removed);
                     if report.examined > 0 {
                         tracing::debug!(
                             removed = report.removed,
@@ -179,7 +290,7 @@ async fn maintain<S: Store>(
                             "reaper pass"
                         );
                     }
-                    if report.examined < batch || *stop.borrow() {
+                    if report.examined < batch {
                         break;
                     }
                 }

@@ -31,6 +31,8 @@ impl Sidecar {
             .args([
                 "--listen",
                 "127.0.0.1:0",
+                "--metrics-listen",
+                "127.0.0.1:0",
                 "--log-format",
                 "json",
                 "--worker-threads",
@@ -273,6 +275,32 @@ fn bad_configuration_exits_64_with_one_line_before_touching_anything() {
         ),
         (vec!["--log", "info,[["], vec![], "--log"),
         (vec!["--max-batch-size", "0"], vec![], "--max-batch-size"),
+        (vec!["--listen", "unix://relative.sock"], vec![], "absolute"),
+        (
+            vec!["--listen", "unix:///no/such/dir/d.sock"],
+            vec![],
+            "does not exist",
+        ),
+        (
+            vec!["--metrics-listen", "nowhere"],
+            vec![],
+            "--metrics-listen",
+        ),
+        (
+            vec![],
+            vec![("DEDUPD_AUTH_TOKEN", "short")],
+            "at least 16 bytes",
+        ),
+        (
+            vec![],
+            vec![("DEDUPD_ADMIN_TOKEN", "0123456789abcdef0")],
+            "needs a client token",
+        ),
+        (
+            vec!["--auth-token-file", "/no/such/token"],
+            vec![],
+            "--auth-token-file",
+        ),
     ];
     for (args, env, mentioned) in cases {
         let output = Command::new(BINARY)
@@ -356,6 +384,9 @@ fn cli_claims_commits_and_reports_outcomes_with_exit_codes() {
     assert_eq!(code, 0);
     assert!(stdout.contains("state: COMMITTED"), "{stdout}");
     assert!(stdout.contains("committed_at: "), "{stdout}");
+
+    let (code, stdout, _) = cli(addr, &["health"]);
+    assert_eq!((code, stdout.trim()), (0, "status: SERVING"));
 
     let (code, stdout, _) = cli(addr, &["forget", "order-1", "--json"]);
     assert_eq!(code, 0);

@@ -7,7 +7,7 @@ use std::{
     sync::{Mutex, MutexGuard},
 };
 
-use super::{IssueFencing, ReapReport, Store};
+use super::{IssueFencing, ReapReport, Store, StoreStats};
 use crate::{
     clock::UnixMillis,
     domain::{FencingToken, Key, OrderingScope, Record},
@@ -114,6 +114,13 @@ impl Store for MemoryStore {
 
     fn health(&self) -> Result<(), Error> {
         Ok(())
+    }
+
+    async fn stats(&self) -> StoreStats {
+        StoreStats {
+            records: Some(self.lock().records.len() as u64),
+            disk_bytes: None,
+        }
     }
 
     async fn close(&self) -> Result<(), Error> {

@@ -32,6 +32,15 @@ pub struct ReapReport {
     pub examined: usize,
 }
 
+/// Size figures for metrics; `None` where a store cannot tell cheaply.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    /// Records stored, expired ones not yet reaped included.
+    pub records: Option<u64>,
+    /// Bytes on disk.
+    pub disk_bytes: Option<u64>,
+}
+
 /// A place to keep records. Every method is safe to call concurrently.
 pub trait Store: Send + Sync + 'static {
     /// Atomically reads the record of `key`, calls `apply` with it and stores
@@ -77,6 +86,9 @@ pub trait Store: Send + Sync + 'static {
 
     /// `Ok` while the store is open and writable.
     fn health(&self) -> Result<(), Error>;
+
+    /// Size figures for metrics (may be cached for a while).
+    fn stats(&self) -> impl Future<Output = StoreStats> + Send;
 
     /// Makes everything written so far durable; called once at shutdown.
     fn close(&self) -> impl Future<Output = Result<(), Error>> + Send;

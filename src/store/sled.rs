@@ -40,13 +40,14 @@ use tokio::sync::oneshot;
 
 use super::{
     codec::{decode_mark, decode_record, encode_mark, encode_record},
-    IssueFencing, ReapReport, Store,
+    IssueFencing, ReapReport, Store, StoreStats,
 };
 use crate::{
     clock::UnixMillis,
     domain::{FencingToken, Key, OrderingScope, Record},
     error::Error,
     machine::{Change, SequenceMark},
+    metrics::Metrics,
 };
 
 /// When a change counts as stored.
@@ -95,7 +96,11 @@ struct Inner {
     counters: Arc<WriteCounters>,
     failure: Arc<OnceLock<String>>,
     committer: Mutex<Option<Committer>>,
+    stats: Mutex<Option<(std::time::Instant, StoreStats)>>,
 }
+
+/// Counting records walks the whole tree: do it at most this often.
+const STATS_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The committer thread and the queue of callers waiting for its next sync.
 #[derive(Debug)]
@@ -135,6 +140,14 @@ impl SledStore {
     /// Opens (or creates) the store and proves it writable with one synced
     /// write before returning.
     pub fn open(config: &SledConfig) -> Result<SledStore, Error> {
+        SledStore::open_with_metrics(config, None)
+    }
+
+    /// Like [`SledStore::open`], reporting group commits to `metrics`.
+    pub fn open_with_metrics(
+        config: &SledConfig,
+        metrics: Option<Arc<Metrics>>,
+    ) -> Result<SledStore, Error> {
         std::fs::create_dir_all(&config.path)?;
         let db = sled::Config::new()
             .path(&config.path)
@@ -171,6 +184,7 @@ impl SledStore {
                 BlobSyncer::new(config.path.join("blobs")),
                 Arc::clone(&counters),
                 Arc::clone(&failure),
+                metrics,
             )?),
             SyncMode::None => None,
         };
@@ -185,6 +199,7 @@ impl SledStore {
                 counters,
                 failure,
                 committer: Mutex::new(committer),
+                stats: Mutex::new(None),
             }),
         })
     }
@@ -391,6 +406,23 @@ impl Store for SledStore {
         }
     }
 
+    async fn stats(&self) -> StoreStats {
+        if let Some((at, stats)) = *self.inner.stats.lock().expect("stats lock") {
+            if at.elapsed() < STATS_MAX_AGE {
+                return stats;
+            }
+        }
+        let inner = Arc::clone(&self.inner);
+        let stats = tokio::task::spawn_blocking(move || StoreStats {
+            records: Some(inner.records.len() as u64),
+            disk_bytes: inner.db.size_on_disk().ok(),
+        })
+        .await
+        .unwrap_or_default();
+        *self.inner.stats.lock().expect("stats lock") = Some((std::time::Instant::now(), stats));
+        stats
+    }
+
     async fn close(&self) -> Result<(), Error> {
         // Later durable() calls fail fast; waiters already queued are still
         // answered by the committer, which exits once the queue is drained.
@@ -418,6 +450,7 @@ fn spawn_committer(
     mut blobs: BlobSyncer,
     counters: Arc<WriteCounters>,
     failure: Arc<OnceLock<String>>,
+    metrics: Option<Arc<Metrics>>,
 ) -> Result<Committer, Error> {
     let (queue, waiters) = mpsc::channel::<Waiter>();
     let thread = thread::Builder::new()
@@ -437,12 +470,16 @@ fn spawn_committer(
                         let synced = flushed
                             .and_then(|_| log_file.sync_data().map_err(Error::from))
                             .and_then(|()| blobs.sync_new());
+                        let elapsed = started.elapsed();
                         tracing::trace!(
                             group = batch.len(),
                             flush_us = flush_time.as_micros() as u64,
-                            sync_us = (started.elapsed() - flush_time).as_micros() as u64,
+                            sync_us = (elapsed - flush_time).as_micros() as u64,
                             "group commit"
                         );
+                        if let Some(metrics) = &metrics {
+                            metrics.group_commit(batch.len(), elapsed);
+                        }
                         match synced {
                             Ok(()) => {
                                 counters.durable.fetch_max(finished, SeqCst);

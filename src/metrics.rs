@@ -1,0 +1,228 @@
+//! Prometheus metrics: outcomes per namespace, RPC latency, group commits,
+//! store size and reaper work. Rendered in the OpenMetrics text format by the
+//! ops HTTP server (`/metrics`).
+
+use std::{collections::HashSet, fmt, sync::Mutex, time::Duration};
+
+use prometheus_client::{
+    encoding::{text::encode, EncodeLabelSet},
+    metrics::{
+        counter::Counter,
+        family::Family,
+        gauge::Gauge,
+        histogram::{exponential_buckets, Histogram},
+    },
+    registry::Registry,
+};
+
+/// Namespaces are chosen by clients: past this many, new ones are counted
+/// under `_other` so a client cannot grow the metrics without bound.
+const MAX_NAMESPACE_LABELS: usize = 256;
+const OTHER_NAMESPACE: &str = "_other";
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    namespace: String,
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RpcLabels {
+    rpc: String,
+}
+
+fn latency_histogram() -> Histogram {
+    // 50 µs .. ~13 s
+    Histogram::new(exponential_buckets(0.000_05, 2.0, 19))
+}
+
+/// Every metric dedupd exports.
+pub struct Metrics {
+    registry: Registry,
+    outcomes: Family<OutcomeLabels, Counter>,
+    rpc_seconds: Family<RpcLabels, Histogram, fn() -> Histogram>,
+    group_commit_size: Histogram,
+    sync_seconds: Histogram,
+    live_records: Gauge,
+    disk_bytes: Gauge,
+    reaped: Counter,
+    reaper_passes: Counter,
+    namespaces: Mutex<HashSet<String>>,
+}
+
+impl fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+/// The outcomes counted per namespace (SPEC §7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutcomeLabel {
+    /// A fresh claim.
+    Claimed,
+    /// A claim after an expired lease.
+    Recovered,
+    /// DUPLICATE.
+    Duplicate,
+    /// IN_PROGRESS.
+    InProgress,
+    /// FINGERPRINT_MISMATCH.
+    FingerprintMismatch,
+    /// STALE.
+    Stale,
+    /// COMMITTED (by this call).
+    Committed,
+    /// LEASE_LOST on Commit, Release or Renew.
+    LeaseLost,
+    /// RELEASED (by this call).
+    Released,
+}
+
+impl OutcomeLabel {
+    fn as_str(self) -> &'static str {
+        match self {
+            OutcomeLabel::Claimed => "claimed",
+            OutcomeLabel::Recovered => "recovered",
+            OutcomeLabel::Duplicate => "duplicate",
+            OutcomeLabel::InProgress => "in_progress",
+            OutcomeLabel::FingerprintMismatch => "fingerprint_mismatch",
+            OutcomeLabel::Stale => "stale",
+            OutcomeLabel::Committed => "committed",
+            OutcomeLabel::LeaseLost => "lease_lost",
+            OutcomeLabel::Released => "released",
+        }
+    }
+}
+
+impl Metrics {
+    /// A fresh set of metrics in its own registry.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("dedupd");
+        let outcomes = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "outcomes",
+            "Answers by namespace and outcome (claimed, recovered, duplicate, in_progress, fingerprint_mismatch, stale, committed, lease_lost, released)",
+            outcomes.clone(),
+        );
+        let rpc_seconds = Family::<RpcLabels, Histogram, fn() -> Histogram>::new_with_constructor(
+            latency_histogram,
+        );
+        registry.register(
+            "rpc_duration_seconds",
+            "Time to answer each gRPC method, durability wait included",
+            rpc_seconds.clone(),
+        );
+        let group_commit_size = Histogram::new(exponential_buckets(1.0, 2.0, 12));
+        registry.register(
+            "group_commit_size",
+            "Callers answered by one disk sync (group commit)",
+            group_commit_size.clone(),
+        );
+        let sync_seconds = latency_histogram();
+        registry.register(
+            "sync_duration_seconds",
+            "Time of one group commit: sled flush plus fdatasync",
+            sync_seconds.clone(),
+        );
+        let live_records = Gauge::default();
+        registry.register(
+            "records",
+            "Records in the store, expired ones not yet reaped included",
+            live_records.clone(),
+        );
+        let disk_bytes = Gauge::default();
+        registry.register(
+            "store_disk_bytes",
+            "Bytes the store uses on disk",
+            disk_bytes.clone(),
+        );
+        let reaped = Counter::default();
+        registry.register(
+            "reaped_records",
+            "Expired records and ordering marks removed by the reaper",
+            reaped.clone(),
+        );
+        let reaper_passes = Counter::default();
+        registry.register("reaper_passes", "Reaper passes run", reaper_passes.clone());
+        Metrics {
+            registry,
+            outcomes,
+            rpc_seconds,
+            group_commit_size,
+            sync_seconds,
+            live_records,
+            disk_bytes,
+            reaped,
+            reaper_passes,
+            namespaces: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// Counts one answer in `namespace`.
+    pub fn outcome(&self, namespace: &str, outcome: OutcomeLabel) {
+        let namespace = {
+            let mut seen = self.namespaces.lock().expect("metrics lock poisoned");
+            if seen.contains(namespace) {
+                namespace
+            } else if seen.len() < MAX_NAMESPACE_LABELS {
+                seen.insert(namespace.to_owned());
+                namespace
+            } else {
+                OTHER_NAMESPACE
+            }
+        };
+        self.outcomes
+            .get_or_create(&OutcomeLabels {
+                namespace: namespace.to_owned(),
+                outcome: outcome.as_str(),
+            })
+            .inc();
+    }
+
+    /// Records how long one RPC took; `rpc` is the method name.
+    pub fn rpc(&self, rpc: &str, elapsed: Duration) {
+        self.rpc_seconds
+            .get_or_create(&RpcLabels {
+                rpc: rpc.to_owned(),
+            })
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// Records one group commit.
+    pub fn group_commit(&self, size: usize, elapsed: Duration) {
+        self.group_commit_size.observe(size as f64);
+        self.sync_seconds.observe(elapsed.as_secs_f64());
+    }
+
+    /// Records one reaper pass.
+    pub fn reaper_pass(&self, removed: usize) {
+        self.reaper_passes.inc();
+        self.reaped.inc_by(removed as u64);
+    }
+
+    /// Sets the store-size gauges (read at scrape time).
+    pub fn store_size(&self, records: Option<u64>, disk_bytes: Option<u64>) {
+        if let Some(records) = records {
+            self.live_records
+                .set(i64::try_from(records).unwrap_or(i64::MAX));
+        }
+        if let Some(bytes) = disk_bytes {
+            self.disk_bytes
+                .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// The OpenMetrics text of every metric.
+    pub fn render(&self) -> String {
+        let mut text = String::new();
+        encode(&mut text, &self.registry).expect("writing to a String cannot fail");
+        text
+    }
+}

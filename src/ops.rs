@@ -1,0 +1,80 @@
+//! The operations HTTP server on its own port: Prometheus `/metrics`,
+//! `/healthz` (the process and its store work: a failed store needs a
+//! restart) and `/readyz` (serving: not draining, store healthy).
+
+use std::{
+    future::Future,
+    io,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+};
+
+use axum::{
+    extract::State, http::header, http::StatusCode, response::IntoResponse, routing::get, Router,
+};
+use tokio::net::TcpListener;
+
+use crate::{engine::Engine, store::Store};
+
+struct OpsState<S> {
+    engine: Engine<S>,
+    ready: Arc<AtomicBool>,
+}
+
+impl<S> Clone for OpsState<S> {
+    fn clone(&self) -> Self {
+        OpsState {
+            engine: self.engine.clone(),
+            ready: Arc::clone(&self.ready),
+        }
+    }
+}
+
+/// Serves the ops endpoints on `listener` until `shutdown` resolves.
+pub async fn serve<S: Store>(
+    listener: TcpListener,
+    engine: Engine<S>,
+    ready: Arc<AtomicBool>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> io::Result<()> {
+    let app = Router::new()
+        .route("/metrics", get(metrics::<S>))
+        .route("/healthz", get(healthz::<S>))
+        .route("/readyz", get(readyz::<S>))
+        .with_state(OpsState { engine, ready });
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+async fn metrics<S: Store>(State(state): State<OpsState<S>>) -> impl IntoResponse {
+    let stats = state.engine.store().stats().await;
+    let metrics = state.engine.metrics();
+    metrics.store_size(stats.records, stats.disk_bytes);
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        metrics.render(),
+    )
+}
+
+async fn healthz<S: Store>(State(state): State<OpsState<S>>) -> impl IntoResponse {
+    match state.engine.store().health() {
+        Ok(()) => (StatusCode::OK, "ok\n".to_owned()),
+        Err(error) => (StatusCode::SERVICE_UNAVAILABLE, format!("{error}\n")),
+    }
+}
+
+async fn readyz<S: Store>(State(state): State<OpsState<S>>) -> impl IntoResponse {
+    if !state.ready.load(Ordering::SeqCst) {
+        return (StatusCode::SERVICE_UNAVAILABLE, "draining\n".to_owned());
+    }
+    match state.engine.store().health() {
+        Ok(()) => (StatusCode::OK, "ready\n".to_owned()),
+        Err(error) => (StatusCode::SERVICE_UNAVAILABLE, format!("{error}\n")),
+    }
+}
