@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 use tonic::{
     metadata::{Ascii, MetadataValue},
     service::Interceptor,
-    transport::{Channel, Endpoint},
+    transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity},
     Code, Status,
 };
 use tonic_types::StatusExt;
@@ -46,6 +46,36 @@ pub struct Connection {
     /// Bearer token, when the sidecar requires one.
     #[arg(long, env = "DEDUPD_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// PEM CA that signed the sidecar's certificate (use an https:// --addr).
+    #[arg(long, env = "DEDUPD_TLS_CA")]
+    pub tls_ca: Option<std::path::PathBuf>,
+    /// PEM client certificate, for mTLS (with --tls-key).
+    #[arg(long, env = "DEDUPD_TLS_CLIENT_CERT", requires = "tls_key")]
+    pub tls_cert: Option<std::path::PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "DEDUPD_TLS_CLIENT_KEY", requires = "tls_cert")]
+    pub tls_key: Option<std::path::PathBuf>,
+}
+
+impl Connection {
+    /// The client TLS settings the flags ask for, if any.
+    fn tls(&self) -> Result<Option<ClientTlsConfig>, Status> {
+        if !self.addr.starts_with("https://") {
+            return Ok(None);
+        }
+        let read = |path: &std::path::Path| {
+            std::fs::read(path)
+                .map_err(|e| Status::invalid_argument(format!("{}: {e}", path.display())))
+        };
+        let mut tls = ClientTlsConfig::new();
+        if let Some(ca) = &self.tls_ca {
+            tls = tls.ca_certificate(Certificate::from_pem(read(ca)?));
+        }
+        if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
+            tls = tls.identity(Identity::from_pem(read(cert)?, read(key)?));
+        }
+        Ok(Some(tls))
+    }
 }
 
 /// The client commands.
@@ -170,7 +200,7 @@ pub async fn run(command: ClientCommand) -> i32 {
 }
 
 async fn call(command: ClientCommand, connection: &Connection) -> Result<(i32, Value), Status> {
-    let channel = channel(&connection.addr).await?;
+    let channel = channel_with_tls(&connection.addr, connection.tls()?).await?;
     if let ClientCommand::Health { service, .. } = &command {
         return health(channel, service).await;
     }
@@ -301,6 +331,11 @@ async fn call(command: ClientCommand, connection: &Connection) -> Result<(i32, V
 
 /// Connects to `addr`: `HOST:PORT`, `http://HOST:PORT` or `unix:///path`.
 pub async fn channel(addr: &str) -> Result<Channel, Status> {
+    channel_with_tls(addr, None).await
+}
+
+/// Like [`channel`]; `https://HOST:PORT` with `tls` speaks TLS.
+pub async fn channel_with_tls(addr: &str, tls: Option<ClientTlsConfig>) -> Result<Channel, Status> {
     let unavailable =
         |e: tonic::transport::Error| Status::unavailable(format!("cannot connect to {addr}: {e}"));
     if let Some(path) = addr
@@ -326,12 +361,15 @@ pub async fn channel(addr: &str) -> Result<Channel, Status> {
     } else {
         format!("http://{addr}")
     };
-    Endpoint::from_shared(uri)
+    let mut endpoint = Endpoint::from_shared(uri)
         .map_err(|e| Status::invalid_argument(format!("--addr {addr:?}: {e}")))?
-        .connect_timeout(Duration::from_secs(5))
-        .connect()
-        .await
-        .map_err(unavailable)
+        .connect_timeout(Duration::from_secs(5));
+    if let Some(tls) = tls {
+        endpoint = endpoint
+            .tls_config(tls)
+            .map_err(|e| Status::invalid_argument(format!("TLS settings: {e}")))?;
+    }
+    endpoint.connect().await.map_err(unavailable)
 }
 
 /// Adds `authorization: Bearer <token>` to every call, when a token is set.

@@ -5,6 +5,7 @@
 use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
 use crate::{
     api::{
@@ -104,6 +105,15 @@ pub struct ServeArgs {
     /// The admin token itself, from the environment.
     #[arg(long, env = "DEDUPD_ADMIN_TOKEN", hide_env_values = true, hide = true)]
     pub admin_token: Option<String>,
+    /// PEM certificate chain: serve TLS on the TCP listeners (needs --tls-key).
+    #[arg(long, env = "DEDUPD_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "DEDUPD_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
+    /// PEM CA bundle: clients must present a certificate it signed (mTLS).
+    #[arg(long, env = "DEDUPD_TLS_CLIENT_CA")]
+    pub tls_client_ca: Option<PathBuf>,
     /// Longest a call may take before it is answered UNAVAILABLE.
     #[arg(long, env = "DEDUPD_REQUEST_TIMEOUT", default_value = "10s")]
     pub request_timeout: humantime::Duration,
@@ -228,6 +238,17 @@ fn read_token(
     Ok(Some(token))
 }
 
+fn source_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
 fn check_duration(name: &str, value: Duration, max: Duration) -> Result<(), String> {
     if value.is_zero() {
         return Err(format!("--{name} must be positive"));
@@ -242,7 +263,38 @@ fn check_duration(name: &str, value: Duration, max: Duration) -> Result<(), Stri
     Ok(())
 }
 
+fn read_pem(flag: &str, path: &std::path::Path) -> Result<Vec<u8>, String> {
+    let pem = std::fs::read(path).map_err(|e| format!("--{flag} {}: {e}", path.display()))?;
+    if !pem.windows(11).any(|window| window == b"-----BEGIN ") {
+        return Err(format!("--{flag} {}: not a PEM file", path.display()));
+    }
+    Ok(pem)
+}
+
 impl ServeArgs {
+    /// The TLS configuration, checked the way the server will load it.
+    fn tls(&self) -> Result<Option<ServerTlsConfig>, String> {
+        let (cert, key) = match (&self.tls_cert, &self.tls_key) {
+            (None, None) if self.tls_client_ca.is_some() => {
+                return Err("--tls-client-ca needs --tls-cert and --tls-key".into())
+            }
+            (None, None) => return Ok(None),
+            (Some(cert), Some(key)) => (cert, key),
+            _ => return Err("--tls-cert and --tls-key go together".into()),
+        };
+        let identity = Identity::from_pem(read_pem("tls-cert", cert)?, read_pem("tls-key", key)?);
+        let mut tls = ServerTlsConfig::new().identity(identity);
+        if let Some(ca) = &self.tls_client_ca {
+            tls = tls.client_ca_root(Certificate::from_pem(read_pem("tls-client-ca", ca)?));
+        }
+        // Build it once now, so a bad certificate or key is a configuration
+        // error (exit 64) and not a failure after binding.
+        tonic::transport::Server::builder()
+            .tls_config(tls.clone())
+            .map_err(|e| format!("TLS configuration rejected: {}", source_chain(&e)))?;
+        Ok(Some(tls))
+    }
+
     /// Checks every setting and their relations; the error is one line.
     pub fn validate(&self) -> Result<Settings, String> {
         let max_lease_ttl: Duration = self.max_lease_ttl.into();
@@ -333,6 +385,7 @@ impl ServeArgs {
             }
             (None, None) => None,
         };
+        let tls = self.tls()?;
         if self.max_concurrent_requests == 0 {
             return Err("--max-concurrent-requests must be at least 1".into());
         }
@@ -365,6 +418,7 @@ impl ServeArgs {
                 reaper_interval: self.reaper_interval.into(),
                 reaper_batch: 10_000,
                 max_message_bytes: self.max_message_bytes,
+                tls,
                 guard: GuardConfig {
                     tokens,
                     max_concurrent_requests: self.max_concurrent_requests,

@@ -14,7 +14,7 @@ use std::{
 
 use tokio::{net::TcpListener, sync::watch, task::JoinSet};
 use tokio_stream::wrappers::UnixListenerStream;
-use tonic::transport::{server::TcpIncoming, Server};
+use tonic::transport::{server::TcpIncoming, Server, ServerTlsConfig};
 use tonic_health::{server::HealthReporter, ServingStatus};
 
 use crate::{
@@ -49,6 +49,8 @@ pub struct ServerConfig {
     pub max_message_bytes: usize,
     /// Tokens, admission and timeout.
     pub guard: GuardConfig,
+    /// TLS (and mTLS) for the TCP listeners; Unix sockets stay plaintext.
+    pub tls: Option<ServerTlsConfig>,
     /// Where the metrics are counted.
     pub metrics: Arc<Metrics>,
     /// The time source.
@@ -68,6 +70,7 @@ impl Default for ServerConfig {
                 max_concurrent_requests: 1024,
                 request_timeout: Duration::from_secs(10),
             },
+            tls: None,
             metrics: Arc::new(Metrics::new()),
             clock: Arc::new(SystemClock),
         }
@@ -154,7 +157,13 @@ pub async fn run<S: Store>(
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .build_v1alpha()
             .map_err(|e| Error::Server(format!("reflection: {e}")))?;
-        let router = Server::builder()
+        let builder = match (&config.tls, &listener) {
+            (Some(tls), Listener::Tcp(_)) => Server::builder()
+                .tls_config(tls.clone())
+                .map_err(|e| Error::Server(format!("TLS: {e}")))?,
+            _ => Server::builder(),
+        };
+        let router = builder
             .trace_fn(|request| tracing::debug_span!("rpc", path = %request.uri().path()))
             .layer(GuardLayer::new(&config.guard, Arc::clone(&config.metrics)))
             .add_service(health_service.clone())

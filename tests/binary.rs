@@ -27,7 +27,13 @@ impl Sidecar {
     /// Starts the binary on an ephemeral port and waits (bounded) until it
     /// logs the address it serves on.
     fn start(data_dir: &Path) -> Sidecar {
+        Sidecar::start_with(data_dir, &[])
+    }
+
+    /// Like [`Sidecar::start`], with more flags.
+    fn start_with(data_dir: &Path, extra: &[&str]) -> Sidecar {
         let mut child = Command::new(BINARY)
+            .args(extra)
             .args([
                 "--listen",
                 "127.0.0.1:0",
@@ -301,6 +307,21 @@ fn bad_configuration_exits_64_with_one_line_before_touching_anything() {
             vec![],
             "--auth-token-file",
         ),
+        (
+            vec!["--tls-cert", "/no/such.pem", "--tls-key", "/no/such.key"],
+            vec![],
+            "--tls-cert",
+        ),
+        (
+            vec!["--tls-client-ca", "/no/such.pem"],
+            vec![],
+            "needs --tls-cert",
+        ),
+        (
+            vec!["--tls-cert", "/etc/hostname", "--tls-key", "/etc/hostname"],
+            vec![],
+            "not a PEM",
+        ),
     ];
     for (args, env, mentioned) in cases {
         let output = Command::new(BINARY)
@@ -567,4 +588,63 @@ impl Drop for KillOnDrop {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+#[test]
+fn cli_speaks_tls_to_a_tls_sidecar() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let ca_pem = ca_params.self_signed(&ca_key).unwrap().pem();
+    let issuer = rcgen::Issuer::new(ca_params, ca_key);
+    let server_key = rcgen::KeyPair::generate().unwrap();
+    let server_cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
+        .unwrap()
+        .signed_by(&server_key, &issuer)
+        .unwrap();
+    let write = |name: &str, pem: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, pem).unwrap();
+        path.to_str().unwrap().to_owned()
+    };
+    let (cert, key, ca) = (
+        write("server.pem", &server_cert.pem()),
+        write("server.key", &server_key.serialize_pem()),
+        write("ca.pem", &ca_pem),
+    );
+    let sidecar = Sidecar::start_with(
+        &dir.path().join("data"),
+        &["--tls-cert", &cert, "--tls-key", &key],
+    );
+    let https = format!("https://localhost:{}", sidecar.addr.port());
+    let output = Command::new(BINARY)
+        .args([
+            "claim",
+            "tls-cli-1",
+            "--json",
+            "--addr",
+            &https,
+            "--tls-ca",
+            &ca,
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{stdout} {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(
+        serde_json::from_str::<Value>(&stdout).unwrap()["outcome"],
+        "CLAIMED"
+    );
+    // Plaintext against the TLS port fails cleanly.
+    let plain = Command::new(BINARY)
+        .args(["claim", "tls-cli-2", "--addr", &sidecar.addr.to_string()])
+        .output()
+        .unwrap();
+    assert_eq!(plain.status.code(), Some(1));
 }

@@ -1,0 +1,142 @@
+//! TLS and mTLS on the TCP listener: certificates made on the fly by rcgen,
+//! a trusted client accepted, an untrusted or plaintext one rejected.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use dedupd::{
+    proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient},
+    server::ServerConfig,
+};
+use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+use tokio::{net::TcpListener, sync::oneshot};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity, ServerTlsConfig};
+
+struct Pki {
+    ca_pem: String,
+    issuer: Issuer<'static, KeyPair>,
+}
+
+impl Pki {
+    fn new() -> Pki {
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let key = KeyPair::generate().unwrap();
+        let ca_pem = params.self_signed(&key).unwrap().pem();
+        Pki {
+            ca_pem,
+            issuer: Issuer::new(params, key),
+        }
+    }
+
+    /// (certificate PEM, key PEM) for `name`, signed by this CA.
+    fn leaf(&self, name: &str) -> (String, String) {
+        let params = CertificateParams::new(vec![name.to_owned()]).unwrap();
+        let key = KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, &self.issuer).unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+}
+
+async fn start(tls: ServerTlsConfig) -> (u16, oneshot::Sender<()>, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(open_store(dir.path()));
+    let config = ServerConfig {
+        tls: Some(tls),
+        ..ServerConfig::default()
+    };
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (shutdown, stop) = oneshot::channel::<()>();
+    tokio::spawn(dedupd::run(listener, store, config, async {
+        let _ = stop.await;
+    }));
+    (port, shutdown, dir)
+}
+
+async fn try_claim(
+    channel: Result<Channel, tonic::transport::Error>,
+) -> Result<pb::ClaimOutcome, String> {
+    let channel = channel.map_err(|e| format!("connect: {e}"))?;
+    let response = ClaimAndCommitClient::new(channel)
+        .claim(claim_request("tls-1"))
+        .await
+        .map_err(|status| format!("{status:?}"))?;
+    Ok(outcome(&response.into_inner()))
+}
+
+async fn connect(
+    port: u16,
+    tls: Option<ClientTlsConfig>,
+) -> Result<Channel, tonic::transport::Error> {
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let mut endpoint = Channel::from_shared(format!("{scheme}://localhost:{port}")).unwrap();
+    if let Some(tls) = tls {
+        endpoint = endpoint.tls_config(tls)?;
+    }
+    endpoint.connect().await
+}
+
+#[tokio::test]
+async fn mutual_tls_accepts_only_clients_the_ca_signed() {
+    let pki = Pki::new();
+    let (server_cert, server_key) = pki.leaf("localhost");
+    let tls = ServerTlsConfig::new()
+        .identity(Identity::from_pem(server_cert, server_key))
+        .client_ca_root(Certificate::from_pem(&pki.ca_pem));
+    let (port, shutdown, _dir) = start(tls).await;
+    let trusting = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&pki.ca_pem))
+        .domain_name("localhost");
+
+    let (client_cert, client_key) = pki.leaf("consumer");
+    let with_identity = trusting
+        .clone()
+        .identity(Identity::from_pem(client_cert, client_key));
+    assert_eq!(
+        try_claim(connect(port, Some(with_identity)).await).await,
+        Ok(pb::ClaimOutcome::Claimed)
+    );
+
+    // A client certificate from another CA, or none at all, is refused.
+    let stranger_pki = Pki::new();
+    let (stranger_cert, stranger_key) = stranger_pki.leaf("stranger");
+    let stranger = trusting
+        .clone()
+        .identity(Identity::from_pem(stranger_cert, stranger_key));
+    assert!(try_claim(connect(port, Some(stranger)).await)
+        .await
+        .is_err());
+    assert!(try_claim(connect(port, Some(trusting)).await)
+        .await
+        .is_err());
+    // Plaintext gets nowhere either.
+    assert!(try_claim(connect(port, None).await).await.is_err());
+    let _ = shutdown.send(());
+}
+
+#[tokio::test]
+async fn server_only_tls_is_verified_by_the_client() {
+    let pki = Pki::new();
+    let (server_cert, server_key) = pki.leaf("localhost");
+    let (port, shutdown, _dir) =
+        start(ServerTlsConfig::new().identity(Identity::from_pem(server_cert, server_key))).await;
+    let trusting = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&pki.ca_pem))
+        .domain_name("localhost");
+    assert_eq!(
+        try_claim(connect(port, Some(trusting)).await).await,
+        Ok(pb::ClaimOutcome::Claimed)
+    );
+    // A client that does not trust the server's CA refuses the handshake.
+    let other = Pki::new();
+    let distrusting = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&other.ca_pem))
+        .domain_name("localhost");
+    assert!(try_claim(connect(port, Some(distrusting)).await)
+        .await
+        .is_err());
+    let _ = shutdown.send(());
+}
