@@ -289,6 +289,22 @@ pub enum ClaimOutcome {
     },
 }
 
+impl ClaimOutcome {
+    /// The outcome's API name, for logs (which must not carry payloads).
+    pub fn name(&self) -> &'static str {
+        match self {
+            ClaimOutcome::Claimed {
+                recovered: true, ..
+            } => "CLAIMED (recovered)",
+            ClaimOutcome::Claimed { .. } => "CLAIMED",
+            ClaimOutcome::Duplicate { .. } => "DUPLICATE",
+            ClaimOutcome::InProgress { .. } => "IN_PROGRESS",
+            ClaimOutcome::FingerprintMismatch { .. } => "FINGERPRINT_MISMATCH",
+            ClaimOutcome::Stale { .. } => "STALE",
+        }
+    }
+}
+
 /// The answer to a Commit that kept its lease.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CommitOutcome {

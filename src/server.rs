@@ -147,14 +147,10 @@ pub async fn run<S: Store>(
             ClaimAndCommitServer::new(DedupService::new(engine.clone(), Arc::clone(&limits)))
                 .max_decoding_message_size(config.max_message_bytes)
                 .max_encoding_message_size(config.max_message_bytes);
-        let reflection_v1 = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        let reflection_v1 = reflection()
             .build_v1()
             .map_err(|e| Error::Server(format!("reflection: {e}")))?;
-        let reflection_v1alpha = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
-            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        let reflection_v1alpha = reflection()
             .build_v1alpha()
             .map_err(|e| Error::Server(format!("reflection: {e}")))?;
         let builder = match (&config.tls, &listener) {
@@ -252,6 +248,13 @@ pub async fn run<S: Store>(
         (Err(_), Ok(())) => tracing::info!("dedupd stopped after a server failure; store synced"),
     }
     served.and(closed)
+}
+
+/// Reflection describes the dedup API and the health service.
+fn reflection() -> tonic_reflection::server::Builder<'static> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
 }
 
 async fn set_health(health: &HealthReporter, status: ServingStatus) {
