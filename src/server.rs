@@ -114,31 +114,23 @@ pub async fn run<S: Store>(
 
     // One signal fans out to every server: first NOT_SERVING, then stop.
     let (stopping, stop) = watch::channel(false);
-    {
+    let _signal_watch = {
         let health = health.clone();
         let ready = Arc::clone(&ready);
-        tokio::spawn(async move {
+        AbortOnDrop(tokio::spawn(async move {
             shutdown.await;
             tracing::info!("shutdown requested: NOT_SERVING, draining in-flight calls");
             ready.store(false, Ordering::SeqCst);
             set_health(&health, ServingStatus::NotServing).await;
             let _ = stopping.send(true);
-        });
-    }
+        }))
+    };
     let stopped = move || {
         let mut stop = stop.clone();
         async move {
             let _ = stop.wait_for(|stopping| *stopping).await;
         }
     };
-
-    let maintenance = tokio::spawn(maintain(
-        engine.clone(),
-        health.clone(),
-        config.reaper_interval,
-        config.reaper_batch,
-        stopped(),
-    ));
 
     let mut servers = JoinSet::new();
     for listener in listeners.grpc {
@@ -204,6 +196,15 @@ pub async fn run<S: Store>(
         });
     }
 
+    // Started last: nothing above may fail and leave it running.
+    let maintenance = tokio::spawn(maintain(
+        engine.clone(),
+        health.clone(),
+        config.reaper_interval,
+        config.reaper_batch,
+        stopped(),
+    ));
+
     // Wait for the servers; once shutdown began, for at most the grace period.
     let grace = config.shutdown_grace;
     let grace_over = {
@@ -248,6 +249,16 @@ pub async fn run<S: Store>(
         (Err(_), Ok(())) => tracing::info!("dedupd stopped after a server failure; store synced"),
     }
     served.and(closed)
+}
+
+/// Aborts a task when dropped, so no task outlives `run`, whichever way it
+/// returns.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Reflection describes the dedup API and the health service.
