@@ -25,8 +25,9 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-cargo build --release --locked --quiet
+cargo build --release --locked --quiet --workspace
 bin=target/release/dedupd
+bench=target/release/dedupd-bench
 work=$(mktemp -d)
 pids=()
 cleanup() {
@@ -50,7 +51,7 @@ if ! bash -c "exec 3<>/dev/tcp/127.0.0.1/5432" 2>/dev/null; then
 fi
 command -v redis-server >/dev/null || { echo "redis-server is not on PATH" >&2; exit 1; }
 
-"$bin" bench-server --noop --listen 127.0.0.1:51001 --worker-threads 1 2>"$work/noop.log" & pids+=($!)
+"$bench" noop-server --listen 127.0.0.1:51001 --worker-threads 1 2>"$work/noop.log" & pids+=($!)
 "$bin" --listen 127.0.0.1:51002 --data-dir "$work/always" --sync always --worker-threads 1 --log warn 2>"$work/always.log" & pids+=($!)
 always_pid=$!
 "$bin" --listen 127.0.0.1:51003 --data-dir "$work/none" --sync none --worker-threads 1 --log warn 2>"$work/none.log" & pids+=($!)
@@ -76,7 +77,7 @@ results="$work/results.jsonl"
 run() { # name url workload concurrency [extra args...]
   local name=$1 url=$2 workload=$3 concurrency=$4; shift 4
   local json
-  json=$("$bin" bench --target "$url" --workload "$workload" --concurrency "$concurrency" \
+  json=$("$bench" load --target "$url" --workload "$workload" --concurrency "$concurrency" \
     --duration "$duration" --worker-threads 1 --json "$@") || {
       echo "bench failed: $name $workload c=$concurrency: $json" >&2; exit 1; }
   python3 -c 'import json,sys; r=json.loads(sys.argv[2]); r["name"]=sys.argv[1]; print(json.dumps(r))' \
@@ -113,7 +114,7 @@ big_pid=$!; pids+=($big_pid)
 wait_port 51002
 echo "loading $records claims+commits ..."
 load_started=$(date +%s.%N)
-"$bin" bench --target dedupd://127.0.0.1:51002 --workload batch-commit --batch-size 1000 \
+"$bench" load --target dedupd://127.0.0.1:51002 --workload batch-commit --batch-size 1000 \
   --concurrency 4 --requests "$records" --worker-threads 1 --json > "$work/load.json"
 load_seconds=$(python3 -c "print($(date +%s.%N) - $load_started)")
 peak_rss_kb=$(awk '/VmHWM/ {print $2}' /proc/$big_pid/status)
@@ -125,7 +126,7 @@ big_pid=$!; pids+=($big_pid)
 until "$bin" lookup --addr 127.0.0.1:51002 -n bench probe >/dev/null 2>&1; do sleep 0.01; done
 startup_seconds=$(python3 -c "print($(date +%s.%N) - $restart_started)")
 # Touch a sample of the records so the cache is warm, then read RSS again.
-"$bin" bench --target dedupd://127.0.0.1:51002 --workload claim --concurrency 16 --duration 2s \
+"$bench" load --target dedupd://127.0.0.1:51002 --workload claim --concurrency 16 --duration 2s \
   --worker-threads 1 --json > /dev/null
 rss_after_restart_kb=$(awk '/VmRSS/ {print $2}' /proc/$big_pid/status)
 

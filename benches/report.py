@@ -87,7 +87,7 @@ out(f"- {cpu_model()}, {os.cpu_count()} CPUs, {mem_total()} RAM, Linux {platform
 out(f"- Disk: `dd bs=4k oflag=dsync` → {extra['dsync']}")
 out(f"- Each figure is the median of {extra['repeats']} runs of {extra['duration']}; the runs of all targets")
 out("  are interleaved so that a noisy moment hits every target alike.")
-out("- CPU split, the same for every target: the load generator (`dedupd bench`) has 1 tokio worker;")
+out("- CPU split, the same for every target: the load generator (`dedupd-bench load`) has 1 tokio worker;")
 out("  dedupd and the no-op server have 1 tokio worker each (dedupd also runs its committer thread);")
 out("  Redis is single-threaded; PostgreSQL uses one backend per connection.")
 out("- 4 connections per target; concurrency = tasks issuing calls at once. All on loopback.")

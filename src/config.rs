@@ -11,7 +11,6 @@ use crate::{
     api::{
         check_namespace, Limits, HARD_MAX_LEASE_TTL, HARD_MAX_RESPONSE_BYTES, HARD_MAX_RETENTION,
     },
-    bench::BenchArgs,
     cli::ClientCommand,
     clock::SystemClock,
     guard::{GuardConfig, Tokens},
@@ -42,24 +41,6 @@ pub enum Command {
     /// A client command against a running sidecar.
     #[command(flatten)]
     Client(ClientCommand),
-    /// Load-test dedupd, the no-op server, Redis or PostgreSQL.
-    Bench(BenchArgs),
-    /// Run a gRPC server for benchmarks (`--noop`: answers without a store).
-    BenchServer(BenchServerArgs),
-}
-
-/// Options of `dedupd bench-server`.
-#[derive(Debug, Clone, Args)]
-pub struct BenchServerArgs {
-    /// Answer every call without touching a store (the only mode).
-    #[arg(long, required = true)]
-    pub noop: bool,
-    /// Address to serve on.
-    #[arg(long, default_value = "127.0.0.1:50052")]
-    pub listen: SocketAddr,
-    /// Tokio worker threads; 0 means one per CPU.
-    #[arg(long, default_value_t = 0)]
-    pub worker_threads: usize,
 }
 
 /// The store backends.

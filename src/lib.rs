@@ -18,12 +18,10 @@
 //! - [`metrics`]: the Prometheus metrics.
 //! - [`config`]: flags and `DEDUPD_*` variables.
 //! - [`cli`]: the command-line client.
-//! - [`bench`]: the load generator and the no-op server it measures against.
 //! - [`error`]: the error type and its gRPC status mapping.
 //! - [`proto`]: generated code.
 
 pub mod api;
-pub mod bench;
 pub mod cli;
 pub mod clock;
 pub mod config;

@@ -7,8 +7,8 @@ use std::{io::IsTerminal, process::ExitCode, sync::Arc};
 
 use clap::{error::ErrorKind, Parser};
 use dedupd::{
-    bench, cli,
-    config::{BenchServerArgs, Cli, Command, LogFormat, ServeArgs, Settings},
+    cli,
+    config::{Cli, Command, LogFormat, ServeArgs, Settings},
     listen::Listener,
     store::sled::SledStore,
     Listeners,
@@ -51,11 +51,6 @@ fn main() -> ExitCode {
                 .expect("a current-thread runtime");
             exit_code(runtime.block_on(cli::run(command)))
         }
-        Some(Command::Bench(args)) => match runtime(args.worker_threads) {
-            Ok(runtime) => exit_code(runtime.block_on(bench::run(args))),
-            Err(code) => code,
-        },
-        Some(Command::BenchServer(args)) => bench_server(&args),
         Some(Command::Serve(args)) => serve(&args),
         None => serve(&cli.serve),
     }
@@ -73,33 +68,6 @@ fn runtime(worker_threads: usize) -> Result<tokio::runtime::Runtime, ExitCode> {
     runtime.enable_all().build().map_err(|error| {
         eprintln!("dedupd: cannot start the runtime: {error}");
         ExitCode::FAILURE
-    })
-}
-
-fn bench_server(args: &BenchServerArgs) -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr)
-        .init();
-    let runtime = match runtime(args.worker_threads) {
-        Ok(runtime) => runtime,
-        Err(code) => return code,
-    };
-    runtime.block_on(async {
-        let listener = match TcpListener::bind(args.listen).await {
-            Ok(listener) => listener,
-            Err(error) => {
-                tracing::error!(%error, listen = %args.listen, "cannot listen");
-                return ExitCode::FAILURE;
-            }
-        };
-        match bench::noop::serve(listener, shutdown_signal()).await {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(error) => {
-                tracing::error!(%error, "no-op server failed");
-                ExitCode::FAILURE
-            }
-        }
     })
 }
 

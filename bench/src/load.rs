@@ -1,10 +1,7 @@
-//! `dedupd bench`: a load generator for dedupd and its alternatives. It
+//! `dedupd-bench load`: a load generator for dedupd and its alternatives. It
 //! drives a workload from many tasks over a few connections, measures each
 //! call's latency, counts outcomes, and checks its own results (fresh IDs
 //! must never be DUPLICATE), printing a table or JSON.
-
-pub mod noop;
-pub mod target;
 
 use std::{
     collections::BTreeMap,
@@ -19,7 +16,7 @@ use clap::{Args, ValueEnum};
 use hdrhistogram::Histogram;
 use serde_json::{json, Value};
 
-use self::target::{Connection, Outcome, Target};
+use crate::target::{Connection, Outcome, Target};
 
 /// What each benchmark task does in a loop.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -38,9 +35,9 @@ pub enum Workload {
     BatchCommit,
 }
 
-/// Options of `dedupd bench`.
+/// Options of `dedupd-bench load`.
 #[derive(Debug, Clone, Args)]
-pub struct BenchArgs {
+pub struct LoadArgs {
     /// dedupd://HOST:PORT, noop://HOST:PORT, redis://HOST:PORT or postgres://…
     #[arg(long, default_value = "dedupd://127.0.0.1:50051")]
     pub target: Target,
@@ -129,7 +126,7 @@ impl TaskReport {
 
 /// Shared by every task.
 struct Plan {
-    args: BenchArgs,
+    args: LoadArgs,
     run_id: String,
     deadline: Instant,
     issued: AtomicU64,
@@ -148,19 +145,19 @@ impl Plan {
 
 /// Runs the benchmark; returns the process exit code (1 when a check
 /// failed or nothing could be measured).
-pub async fn run(args: BenchArgs) -> i32 {
+pub async fn run(args: LoadArgs) -> i32 {
     if args.concurrency == 0 || args.channels == 0 || args.batch_size == 0 {
-        eprintln!("dedupd bench: --concurrency, --channels and --batch-size must be at least 1");
+        eprintln!("dedupd-bench: --concurrency, --channels and --batch-size must be at least 1");
         return 64;
     }
     if !(0.0..=1.0).contains(&args.duplicate_share) {
-        eprintln!("dedupd bench: --duplicate-share must be between 0 and 1");
+        eprintln!("dedupd-bench: --duplicate-share must be between 0 and 1");
         return 64;
     }
     let connections = match args.target.connect(args.channels).await {
         Ok(connections) => connections,
         Err(error) => {
-            eprintln!("dedupd bench: {error}");
+            eprintln!("dedupd-bench: {error}");
             return 1;
         }
     };
@@ -169,7 +166,7 @@ pub async fn run(args: BenchArgs) -> i32 {
         Workload::DuplicateHeavy => match seed_pool(&args, &run_id, connections[0].clone()).await {
             Ok(pool) => pool,
             Err(error) => {
-                eprintln!("dedupd bench: seeding committed IDs failed: {error}");
+                eprintln!("dedupd-bench: seeding committed IDs failed: {error}");
                 return 1;
             }
         },
@@ -213,7 +210,7 @@ pub async fn run(args: BenchArgs) -> i32 {
 
 /// Claims and commits the IDs duplicate-heavy repeats, before timing.
 async fn seed_pool(
-    args: &BenchArgs,
+    args: &LoadArgs,
     run_id: &str,
     mut connection: Connection,
 ) -> Result<Vec<String>, String> {
@@ -315,7 +312,7 @@ async fn drive(plan: Arc<Plan>, task: usize, mut connection: Connection) -> Task
 }
 
 /// The benchmark checks its own results; returns what failed.
-fn check(args: &BenchArgs, total: &TaskReport) -> Vec<String> {
+fn check(args: &LoadArgs, total: &TaskReport) -> Vec<String> {
     let count = |outcome| total.outcomes.get(&outcome).copied().unwrap_or(0);
     let mut failures = Vec::new();
     if total.errors > 0 {
@@ -362,7 +359,7 @@ fn check(args: &BenchArgs, total: &TaskReport) -> Vec<String> {
 }
 
 fn report_json(
-    args: &BenchArgs,
+    args: &LoadArgs,
     total: &TaskReport,
     elapsed: Duration,
     failures: &[String],

@@ -1,6 +1,6 @@
 //! A gRPC server that answers the dedup API without touching any store: the
-//! ceiling the real sidecar is measured against (`dedupd bench-server
-//! --noop`). It decodes and encodes the same messages, so the difference to
+//! ceiling the real sidecar is measured against (`dedupd-bench
+//! noop-server`). It decodes and encodes the same messages, so the difference to
 //! dedupd is the state machine, the store and durability.
 
 use std::{future::Future, net::SocketAddr};
@@ -11,12 +11,9 @@ use tonic::{
     Request, Response, Status,
 };
 
-use crate::{
-    error::Error,
-    proto::v1::{
-        self as pb,
-        claim_and_commit_server::{ClaimAndCommit, ClaimAndCommitServer},
-    },
+use dedupd::proto::v1::{
+    self as pb,
+    claim_and_commit_server::{ClaimAndCommit, ClaimAndCommitServer},
 };
 
 /// Answers every call with the success outcome.
@@ -110,7 +107,7 @@ impl ClaimAndCommit for NoopService {
 pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<(), Error> {
+) -> Result<(), tonic::transport::Error> {
     let address: Option<SocketAddr> = listener.local_addr().ok();
     if let Some(address) = address {
         tracing::info!(%address, "no-op server serving");
@@ -126,5 +123,4 @@ pub async fn serve(
             shutdown,
         )
         .await
-        .map_err(|e| Error::Server(e.to_string()))
 }

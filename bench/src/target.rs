@@ -7,7 +7,7 @@ use std::{fmt, str::FromStr, sync::Arc, time::Duration};
 use tokio_postgres::{NoTls, Statement};
 use tonic::transport::{Channel, Endpoint};
 
-use crate::proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient};
+use dedupd::proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient};
 
 const LEASE: Duration = Duration::from_secs(30);
 const RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
@@ -19,7 +19,7 @@ pub const PG_TABLE: &str = "dedupd_bench_processed_events";
 pub enum Target {
     /// `dedupd://HOST:PORT`: the sidecar.
     Dedupd(String),
-    /// `noop://HOST:PORT`: `dedupd bench-server --noop`.
+    /// `noop://HOST:PORT`: `dedupd-bench noop-server`.
     Noop(String),
     /// `redis://…`: SET NX PX, then SET PX.
     Redis(String),

@@ -1,0 +1,12 @@
+//! `dedupd-bench`: the load generator and the no-op server dedupd is measured
+//! against. It lives beside the product, not in it: the sidecar's library,
+//! binary and image carry no benchmark code and no database client that only
+//! the benchmark needs.
+//!
+//! - [`load`]: drives a workload against a target and reports figures.
+//! - [`target`]: the targets (dedupd, the no-op server, Redis, PostgreSQL).
+//! - [`noop`]: the dedup API answered without a store.
+
+pub mod load;
+pub mod noop;
+pub mod target;

@@ -1,0 +1,103 @@
+//! The `dedupd-bench` binary: parses its command and runs it (see the
+//! library's module map).
+
+use std::{io::IsTerminal, net::SocketAddr, process::ExitCode};
+
+use clap::{Args, Parser, Subcommand};
+use dedupd_bench::{load, noop};
+use tokio::net::TcpListener;
+
+/// Load generator for dedupd and the obvious alternatives.
+#[derive(Debug, Parser)]
+#[command(name = "dedupd-bench", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Load-test dedupd, the no-op server, Redis or PostgreSQL.
+    Load(load::LoadArgs),
+    /// Serve the dedup API without a store: the gRPC ceiling.
+    NoopServer(NoopServerArgs),
+}
+
+/// Options of `dedupd-bench noop-server`.
+#[derive(Debug, Clone, Args)]
+struct NoopServerArgs {
+    /// Address to serve on.
+    #[arg(long, default_value = "127.0.0.1:50052")]
+    listen: SocketAddr,
+    /// Tokio worker threads; 0 means one per CPU.
+    #[arg(long, default_value_t = 0)]
+    worker_threads: usize,
+}
+
+/// sysexits.h EX_USAGE.
+const EXIT_USAGE: u8 = 64;
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) if !error.use_stderr() => {
+            let _ = error.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(error) => {
+            let _ = error.print();
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    match cli.command {
+        Command::Load(args) => match runtime(args.worker_threads) {
+            Ok(runtime) => {
+                let code = runtime.block_on(load::run(args));
+                ExitCode::from(u8::try_from(code).unwrap_or(1))
+            }
+            Err(code) => code,
+        },
+        Command::NoopServer(args) => noop_server(&args),
+    }
+}
+
+fn runtime(worker_threads: usize) -> Result<tokio::runtime::Runtime, ExitCode> {
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if worker_threads > 0 {
+        runtime.worker_threads(worker_threads);
+    }
+    runtime.enable_all().build().map_err(|error| {
+        eprintln!("dedupd-bench: cannot start the runtime: {error}");
+        ExitCode::FAILURE
+    })
+}
+
+fn noop_server(args: &NoopServerArgs) -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match runtime(args.worker_threads) {
+        Ok(runtime) => runtime,
+        Err(code) => return code,
+    };
+    runtime.block_on(async {
+        let listener = match TcpListener::bind(args.listen).await {
+            Ok(listener) => listener,
+            Err(error) => {
+                tracing::error!(%error, listen = %args.listen, "cannot listen");
+                return ExitCode::FAILURE;
+            }
+        };
+        let shutdown = async {
+            let _ = tokio::signal::ctrl_c().await;
+        };
+        match noop::serve(listener, shutdown).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(error) => {
+                tracing::error!(%error, "no-op server failed");
+                ExitCode::FAILURE
+            }
+        }
+    })
+}
