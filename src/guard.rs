@@ -1,9 +1,13 @@
-//! The tower layer in front of every gRPC call: the bearer-token check,
-//! admission (a concurrency limit that sheds load instead of queueing), the
-//! request timeout, and per-RPC latency metrics. Rejections are answered as
-//! gRPC statuses a client can act on.
+//! The guard stack in front of the dedup API, built once per process from
+//! tower's own layers: RPC timing (its own layer, labelled from the fixed
+//! method list), load shedding over one process-wide concurrency limit, the
+//! request timeout, and the bearer-token check as an interceptor. Only the
+//! `dedup.v1.ClaimAndCommit` service sits behind it: health and reflection
+//! are never shed, never time out and never need a token, so Kubernetes
+//! probes keep working at saturation.
 
 use std::{
+    convert::Infallible,
     fmt,
     future::Future,
     pin::Pin,
@@ -14,14 +18,49 @@ use std::{
 
 use subtle::ConstantTimeEq;
 use tokio::sync::Semaphore;
-use tonic::Status;
-use tower::{Layer, Service};
+use tonic::{
+    body::Body,
+    server::NamedService,
+    service::{
+        interceptor::{InterceptedService, ResponseBody},
+        Interceptor,
+    },
+    Status,
+};
+use tower::{
+    limit::GlobalConcurrencyLimitLayer, load_shed::LoadShedLayer, timeout::TimeoutLayer,
+    util::BoxCloneSyncService, BoxError, Service, ServiceBuilder,
+};
 
-use crate::metrics::Metrics;
+use crate::{metrics::Metrics, proto::v1::claim_and_commit_server::SERVICE_NAME};
 
-const SERVICE_PREFIX: &str = "/dedup.v1.ClaimAndCommit/";
-const HEALTH_PREFIX: &str = "/grpc.health.v1.Health/";
-const FORGET_PATH: &str = "/dedup.v1.ClaimAndCommit/Forget";
+/// The methods of `dedup.v1.ClaimAndCommit`: the only `rpc` metric labels
+/// besides [`OTHER_RPC`]. A unit test checks the list against the proto.
+pub(crate) const METHODS: [&str; 9] = [
+    "Claim",
+    "Commit",
+    "Release",
+    "Renew",
+    "Lookup",
+    "Forget",
+    "ClaimBatch",
+    "CommitBatch",
+    "ReleaseBatch",
+];
+
+/// The `rpc` label of every path that is not one of [`METHODS`].
+pub(crate) const OTHER_RPC: &str = "other";
+
+/// The metric label of a request path: a method name, or [`OTHER_RPC`], so a
+/// client cannot grow the label set.
+pub(crate) fn rpc_label(path: &str) -> &'static str {
+    path.strip_prefix('/')
+        .and_then(|path| path.strip_prefix(SERVICE_NAME))
+        .and_then(|path| path.strip_prefix('/'))
+        .and_then(|method| METHODS.iter().find(|known| **known == method))
+        .copied()
+        .unwrap_or(OTHER_RPC)
+}
 
 /// The bearer tokens clients must present. Never logged.
 #[derive(Clone)]
@@ -51,163 +90,268 @@ fn matches(presented: &[u8], expected: &[u8]) -> bool {
     bool::from(presented.ct_eq(expected))
 }
 
+/// What an authenticated caller may do; put in the request's extensions by
+/// [`Authenticate`] and read by the handlers that need more than a client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    /// Every call but `Forget`.
+    Client,
+    /// Every call. Without tokens (the sidecar on its loopback or a private
+    /// socket), every caller is this.
+    Admin,
+}
+
+impl Role {
+    /// `PERMISSION_DENIED` unless the request was authenticated as admin; a
+    /// request that never went through [`Authenticate`] is denied too.
+    pub(crate) fn require_admin<T>(request: &tonic::Request<T>) -> Result<(), Status> {
+        match request.extensions().get::<Role>() {
+            Some(Role::Admin) => Ok(()),
+            Some(Role::Client) | None => {
+                Err(Status::permission_denied("Forget needs the admin token"))
+            }
+        }
+    }
+}
+
+/// The token check, as a tonic interceptor on the dedup service.
+#[derive(Debug, Clone)]
+pub(crate) struct Authenticate {
+    tokens: Option<Tokens>,
+}
+
+impl Interceptor for Authenticate {
+    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {
+        let role = match &self.tokens {
+            None => Role::Admin,
+            Some(tokens) => {
+                let presented = request
+                    .metadata()
+                    .get("authorization")
+                    .and_then(|value| value.to_str().ok())
+                    .and_then(|value| value.strip_prefix("Bearer "))
+                    .map(str::as_bytes)
+                    .ok_or_else(|| {
+                        Status::unauthenticated(
+                            "missing bearer token: send `authorization: Bearer <token>`",
+                        )
+                    })?;
+                if tokens
+                    .admin
+                    .as_ref()
+                    .is_some_and(|admin| matches(presented, admin))
+                {
+                    Role::Admin
+                } else if matches(presented, &tokens.client) {
+                    Role::Client
+                } else {
+                    return Err(Status::unauthenticated("invalid bearer token"));
+                }
+            }
+        };
+        request.extensions_mut().insert(role);
+        Ok(request)
+    }
+}
+
 /// What the guard enforces.
 #[derive(Debug, Clone)]
 pub struct GuardConfig {
     /// Tokens, when calls must be authenticated.
     pub tokens: Option<Tokens>,
-    /// Calls in progress at once; more are refused with RESOURCE_EXHAUSTED.
+    /// Calls in progress at once, over every listener; more are refused with
+    /// RESOURCE_EXHAUSTED.
     pub max_concurrent_requests: usize,
     /// Longest a call may take; longer ones are answered UNAVAILABLE.
     pub request_timeout: Duration,
 }
 
-/// The guard layer.
-#[derive(Debug, Clone)]
-pub struct GuardLayer {
-    shared: Arc<Shared>,
+impl GuardConfig {
+    fn authenticate(&self) -> Authenticate {
+        Authenticate {
+            tokens: self.tokens.clone(),
+        }
+    }
 }
 
-struct Shared {
-    tokens: Option<Tokens>,
-    permits: Arc<Semaphore>,
-    max_concurrent_requests: usize,
-    request_timeout: Duration,
-    metrics: Arc<Metrics>,
-}
+type HttpService = BoxCloneSyncService<http::Request<Body>, http::Response<Body>, Infallible>;
 
-impl fmt::Debug for Shared {
+/// The dedup service behind the guard stack, still named as the dedup
+/// service so the router sends it the dedup paths. Clones share the one
+/// concurrency limit: build it once and hand a clone to every listener.
+#[derive(Clone)]
+pub(crate) struct Guarded(HttpService);
+
+impl fmt::Debug for Guarded {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Guard")
-            .field("tokens", &self.tokens)
-            .field("max_concurrent_requests", &self.max_concurrent_requests)
-            .field("request_timeout", &self.request_timeout)
-            .finish()
+        f.write_str("Guarded")
     }
 }
 
-impl GuardLayer {
-    /// A guard enforcing `config`, timing calls into `metrics`.
-    pub fn new(config: &GuardConfig, metrics: Arc<Metrics>) -> Self {
-        GuardLayer {
-            shared: Arc::new(Shared {
-                tokens: config.tokens.clone(),
-                permits: Arc::new(Semaphore::new(config.max_concurrent_requests)),
-                max_concurrent_requests: config.max_concurrent_requests,
-                request_timeout: config.request_timeout,
-                metrics,
-            }),
-        }
+impl NamedService for Guarded {
+    const NAME: &'static str = SERVICE_NAME;
+}
+
+impl Service<http::Request<Body>> for Guarded {
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = <HttpService as Service<http::Request<Body>>>::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+        self.0.call(request)
     }
 }
 
-impl<S> Layer<S> for GuardLayer {
-    type Service = Guard<S>;
-
-    fn layer(&self, inner: S) -> Guard<S> {
-        Guard {
-            inner,
-            shared: Arc::clone(&self.shared),
-        }
-    }
-}
-
-/// The guard around one service.
-#[derive(Debug, Clone)]
-pub struct Guard<S> {
-    inner: S,
-    shared: Arc<Shared>,
-}
-
-impl Shared {
-    fn authorize<B>(&self, request: &http::Request<B>) -> Result<(), Status> {
-        let Some(tokens) = &self.tokens else {
-            return Ok(());
-        };
-        let path = request.uri().path();
-        if path.starts_with(HEALTH_PREFIX) {
-            return Ok(()); // probes carry no token
-        }
-        let presented = request
-            .headers()
-            .get(http::header::AUTHORIZATION)
-            .and_then(|value| value.to_str().ok())
-            .and_then(|value| value.strip_prefix("Bearer "))
-            .map(str::as_bytes);
-        let Some(presented) = presented else {
-            return Err(Status::unauthenticated(
-                "missing bearer token: send `authorization: Bearer <token>`",
-            ));
-        };
-        let admin = tokens
-            .admin
-            .as_ref()
-            .is_some_and(|admin| matches(presented, admin));
-        if path == FORGET_PATH && !admin {
-            return Err(Status::permission_denied("Forget needs the admin token"));
-        }
-        if admin || matches(presented, &tokens.client) {
-            Ok(())
-        } else {
-            Err(Status::unauthenticated("invalid bearer token"))
-        }
-    }
-}
-
-type BoxFuture<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
-
-impl<S, B> Service<http::Request<B>> for Guard<S>
+/// Puts `dedup` behind timing, load shedding, the process-wide concurrency
+/// limit, the timeout and the token check, in that order.
+pub(crate) fn guard<S>(dedup: S, config: &GuardConfig, metrics: Arc<Metrics>) -> Guarded
 where
-    S: Service<http::Request<B>, Response = http::Response<tonic::body::Body>>
+    S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>
         + Clone
         + Send
+        + Sync
         + 'static,
     S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    B: Send + 'static,
 {
-    type Response = http::Response<tonic::body::Body>;
-    type Error = S::Error;
-    type Future = BoxFuture<Self::Response, Self::Error>;
+    let limit = config.max_concurrent_requests;
+    let timeout = config.request_timeout;
+    let stack = ServiceBuilder::new()
+        .layer_fn(|inner| Answer {
+            inner,
+            metrics: Arc::clone(&metrics),
+            refusals: Refusals { limit, timeout },
+            not_ready: None,
+        })
+        .layer(LoadShedLayer::new())
+        .layer(GlobalConcurrencyLimitLayer::with_semaphore(Arc::new(
+            Semaphore::new(limit),
+        )))
+        .layer(TimeoutLayer::new(timeout))
+        .map_response(|response: http::Response<ResponseBody<Body>>| response.map(Body::new))
+        .service(InterceptedService::new(dedup, config.authenticate()));
+    Guarded(BoxCloneSyncService::new(stack))
+}
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
+/// The outermost layer: times every call (refusals included) and answers
+/// the stack's refusals as gRPC statuses a client can act on; the dedup
+/// service itself never fails (its errors are already statuses).
+#[derive(Clone)]
+struct Answer<S> {
+    inner: S,
+    metrics: Arc<Metrics>,
+    refusals: Refusals,
+    /// A readiness error, answered to the next call instead of failing the
+    /// connection.
+    not_ready: Option<Arc<BoxError>>,
+}
+
+/// The limits a refusal names, so the client learns which one it hit.
+#[derive(Debug, Clone, Copy)]
+struct Refusals {
+    limit: usize,
+    timeout: Duration,
+}
+
+impl Refusals {
+    fn answer(self, error: &BoxError) -> http::Response<Body> {
+        let status = if error.is::<tower::load_shed::error::Overloaded>() {
+            Status::resource_exhausted(format!(
+                "overloaded: {} calls in progress (--max-concurrent-requests); retry with backoff",
+                self.limit
+            ))
+        } else if error.is::<tower::timeout::error::Elapsed>() {
+            Status::unavailable(format!(
+                "no answer within {} (--request-timeout); the change may or may not have been applied: retry",
+                humantime::format_duration(self.timeout)
+            ))
+        } else {
+            tracing::error!(%error, "guard stack failed");
+            Status::internal("internal error (logged by the sidecar)")
+        };
+        status.into_http()
+    }
+}
+
+type AnswerFuture = Pin<Box<dyn Future<Output = Result<http::Response<Body>, Infallible>> + Send>>;
+
+impl<S> Service<http::Request<Body>> for Answer<S>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>, Error = BoxError>,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = AnswerFuture;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        match self.inner.poll_ready(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Ok(())) => Poll::Ready(Ok(())),
+            Poll::Ready(Err(error)) => {
+                self.not_ready = Some(Arc::new(error));
+                Poll::Ready(Ok(()))
+            }
+        }
     }
 
-    fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        // The service that was polled ready handles this call.
-        let ready = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, ready);
-        let shared = Arc::clone(&self.shared);
+    fn call(&mut self, request: http::Request<Body>) -> AnswerFuture {
+        let rpc = rpc_label(request.uri().path());
+        let started = Instant::now();
+        if let Some(error) = self.not_ready.take() {
+            let answer = self.refusals.answer(&error);
+            self.metrics.rpc(rpc, started.elapsed());
+            return Box::pin(std::future::ready(Ok(answer)));
+        }
+        let answer = self.inner.call(request);
+        let (metrics, refusals) = (Arc::clone(&self.metrics), self.refusals);
         Box::pin(async move {
-            if let Err(status) = shared.authorize(&request) {
-                return Ok(status.into_http());
-            }
-            let Ok(_permit) = Arc::clone(&shared.permits).try_acquire_owned() else {
-                return Ok(Status::resource_exhausted(format!(
-                    "overloaded: {} calls in progress (--max-concurrent-requests); retry with backoff",
-                    shared.max_concurrent_requests
-                ))
-                .into_http());
-            };
-            let rpc = request
-                .uri()
-                .path()
-                .strip_prefix(SERVICE_PREFIX)
-                .map(str::to_owned);
-            let started = Instant::now();
-            let answer = match tokio::time::timeout(shared.request_timeout, inner.call(request)).await {
-                Ok(answer) => answer,
-                Err(_) => Ok(Status::unavailable(format!(
-                    "no answer within {} (--request-timeout); the change may or may not have been applied: retry",
-                    humantime::format_duration(shared.request_timeout)
-                ))
-                .into_http()),
-            };
-            if let Some(rpc) = rpc {
-                shared.metrics.rpc(&rpc, started.elapsed());
-            }
-            answer
+            let answer = answer.await.unwrap_or_else(|error| refusals.answer(&error));
+            metrics.rpc(rpc, started.elapsed());
+            Ok(answer)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prost::Message;
+
+    use super::*;
+
+    #[test]
+    fn method_list_is_the_protos() {
+        let set = prost_types::FileDescriptorSet::decode(crate::proto::FILE_DESCRIPTOR_SET)
+            .expect("descriptor set");
+        let methods: Vec<String> = set
+            .file
+            .iter()
+            .flat_map(|file| &file.service)
+            .filter(|service| service.name() == "ClaimAndCommit")
+            .flat_map(|service| &service.method)
+            .map(|method| method.name().to_owned())
+            .collect();
+        assert_eq!(methods, METHODS);
+    }
+
+    #[test]
+    fn only_known_methods_become_labels() {
+        assert_eq!(rpc_label("/dedup.v1.ClaimAndCommit/Claim"), "Claim");
+        assert_eq!(
+            rpc_label("/dedup.v1.ClaimAndCommit/ReleaseBatch"),
+            "ReleaseBatch"
+        );
+        for path in [
+            "/dedup.v1.ClaimAndCommit/Claim2",
+            "/dedup.v1.ClaimAndCommit/x9f3",
+            "/dedup.v1.ClaimAndCommit/",
+            "/dedup.v1.ClaimAndCommitX/Claim",
+            "/grpc.health.v1.Health/Check",
+        ] {
+            assert_eq!(rpc_label(path), OTHER_RPC, "{path}");
+        }
     }
 }

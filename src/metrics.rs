@@ -28,7 +28,7 @@ struct OutcomeLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RpcLabels {
-    rpc: String,
+    rpc: &'static str,
 }
 
 fn latency_histogram() -> Histogram {
@@ -186,12 +186,11 @@ impl Metrics {
             .inc();
     }
 
-    /// Records how long one RPC took; `rpc` is the method name.
-    pub fn rpc(&self, rpc: &str, elapsed: Duration) {
+    /// Records how long one RPC took; `rpc` is a label from the fixed
+    /// method list (see `guard::rpc_label`).
+    pub fn rpc(&self, rpc: &'static str, elapsed: Duration) {
         self.rpc_seconds
-            .get_or_create(&RpcLabels {
-                rpc: rpc.to_owned(),
-            })
+            .get_or_create(&RpcLabels { rpc })
             .observe(elapsed.as_secs_f64());
     }
 

@@ -22,17 +22,17 @@ use crate::{
     clock::{Clock, SystemClock},
     engine::Engine,
     error::Error,
-    guard::{GuardConfig, GuardLayer},
+    guard::{self, GuardConfig},
     listen::Listener,
     metrics::Metrics,
     ops,
-    proto::{v1::claim_and_commit_server::ClaimAndCommitServer, FILE_DESCRIPTOR_SET},
+    proto::{
+        v1::claim_and_commit_server::{ClaimAndCommitServer, SERVICE_NAME},
+        FILE_DESCRIPTOR_SET,
+    },
     service::DedupService,
     store::Store,
 };
-
-/// The name health checks use for the dedup service.
-pub const SERVICE_NAME: &str = "dedup.v1.ClaimAndCommit";
 
 /// Everything `run` needs besides the listeners and the store.
 #[derive(Debug, Clone)]
@@ -132,19 +132,24 @@ pub async fn run<S: Store>(
         }
     };
 
+    // Built once: every listener shares one concurrency limit.
+    let dedup = guard::guard(
+        ClaimAndCommitServer::new(DedupService::new(engine.clone(), Arc::clone(&limits)))
+            .max_decoding_message_size(config.max_message_bytes)
+            .max_encoding_message_size(config.max_message_bytes),
+        &config.guard,
+        Arc::clone(&config.metrics),
+    );
+    let reflection_v1 = reflection()
+        .build_v1()
+        .map_err(|e| Error::Server(format!("reflection: {e}")))?;
+    let reflection_v1alpha = reflection()
+        .build_v1alpha()
+        .map_err(|e| Error::Server(format!("reflection: {e}")))?;
+
     let mut servers = JoinSet::new();
     for listener in listeners.grpc {
         tracing::info!(address = %listener.describe(), "dedupd serving");
-        let service =
-            ClaimAndCommitServer::new(DedupService::new(engine.clone(), Arc::clone(&limits)))
-                .max_decoding_message_size(config.max_message_bytes)
-                .max_encoding_message_size(config.max_message_bytes);
-        let reflection_v1 = reflection()
-            .build_v1()
-            .map_err(|e| Error::Server(format!("reflection: {e}")))?;
-        let reflection_v1alpha = reflection()
-            .build_v1alpha()
-            .map_err(|e| Error::Server(format!("reflection: {e}")))?;
         let builder = match (&config.tls, &listener) {
             (Some(tls), Listener::Tcp(_)) => Server::builder()
                 .tls_config(tls.clone())
@@ -153,11 +158,10 @@ pub async fn run<S: Store>(
         };
         let router = builder
             .trace_fn(|request| tracing::debug_span!("rpc", path = %request.uri().path()))
-            .layer(GuardLayer::new(&config.guard, Arc::clone(&config.metrics)))
             .add_service(health_service.clone())
-            .add_service(reflection_v1)
-            .add_service(reflection_v1alpha)
-            .add_service(service);
+            .add_service(reflection_v1.clone())
+            .add_service(reflection_v1alpha.clone())
+            .add_service(dedup.clone());
         let signal = stopped();
         match listener {
             Listener::Tcp(tcp) => {

@@ -9,6 +9,7 @@ use tonic::{Request, Response, Status};
 use crate::{
     api::{self, Limits},
     engine::Engine,
+    guard::Role,
     proto::v1::{self as pb, claim_and_commit_server::ClaimAndCommit},
     store::Store,
 };
@@ -76,6 +77,7 @@ impl<S: Store> ClaimAndCommit for DedupService<S> {
     }
 
     async fn forget(&self, request: Request<pb::ForgetRequest>) -> Answer<pb::ForgetResponse> {
+        Role::require_admin(&request)?;
         let request = request.into_inner();
         let key = self
             .limits

@@ -4,86 +4,34 @@
 
 mod common;
 
-use std::{collections::HashMap, net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
+use std::{collections::HashMap, net::SocketAddr, sync::Arc, time::Duration};
 
 use common::*;
 use dedupd::{
     cli::{channel, BearerToken},
     guard::Tokens,
-    listen::{ListenAddr, Listener},
     proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient},
     server::ServerConfig,
-    store::sled::{SledConfig, SledStore, SyncMode},
-    Listeners,
+    store::Store,
 };
-use tempfile::TempDir;
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
-    net::TcpListener,
-    sync::oneshot,
-};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::Code;
 
-struct OpsServer {
-    grpc: SocketAddr,
-    ops: SocketAddr,
-    socket: PathBuf,
-    _dir: TempDir,
-    shutdown: oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<Result<(), dedupd::Error>>,
-}
-
 /// A server on TCP, a Unix socket and an ops port.
-async fn start(adjust: impl FnOnce(&mut ServerConfig)) -> OpsServer {
-    let dir = tempfile::tempdir().unwrap();
-    let mut config = ServerConfig::default();
-    adjust(&mut config);
-    // The store reports group commits into the server's metrics.
-    let store = SledStore::open_with_metrics(
-        &SledConfig {
-            path: dir.path().join("data"),
-            sync: SyncMode::Always,
-            cache_capacity_bytes: 16 << 20,
-        },
-        Some(Arc::clone(&config.metrics)),
-    )
-    .unwrap();
-    let store = Arc::new(store);
-    let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let grpc = tcp.local_addr().unwrap();
-    let socket = dir.path().join("dedupd.sock");
-    let unix = Listener::bind(&ListenAddr::Unix(socket.clone()))
+async fn start(adjust: impl FnOnce(&mut ServerConfig)) -> TestServer {
+    TestServer::builder()
+        .config(adjust)
+        .unix_socket()
+        .ops()
+        .start()
         .await
-        .unwrap();
-    let ops_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let ops = ops_listener.local_addr().unwrap();
-    let listeners = Listeners {
-        grpc: vec![Listener::Tcp(tcp), unix],
-        ops: Some(ops_listener),
-    };
-    let (shutdown, stop) = oneshot::channel::<()>();
-    let task = tokio::spawn(dedupd::run(listeners, store, config, async {
-        let _ = stop.await;
-    }));
-    OpsServer {
-        grpc,
-        ops,
-        socket,
-        _dir: dir,
-        shutdown,
-        task,
-    }
 }
 
-impl OpsServer {
-    async fn stop(self) {
-        let _ = self.shutdown.send(());
-        self.task.await.unwrap().unwrap();
-        assert!(
-            !self.socket.exists(),
-            "the socket file is removed on shutdown"
-        );
-    }
+/// Stops `server` cleanly and checks it removed its socket file.
+async fn stop<S: Store>(server: TestServer<S>) {
+    let socket = server.socket.clone().expect("a unix socket");
+    server.stop().await.expect("clean stop");
+    assert!(!socket.exists(), "the socket file is removed on shutdown");
 }
 
 async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
@@ -118,7 +66,7 @@ fn samples(text: &str) -> HashMap<String, f64> {
 #[tokio::test]
 async fn metrics_count_real_calls_and_probes_answer() {
     let server = start(|_| {}).await;
-    let mut client = ClaimAndCommitClient::new(channel(&server.grpc.to_string()).await.unwrap());
+    let mut client = ClaimAndCommitClient::new(channel(&server.addr.to_string()).await.unwrap());
     let first = claim(&mut client, claim_request("m-1")).await;
     assert_eq!(
         outcome(&claim(&mut client, claim_request("m-1")).await),
@@ -151,7 +99,7 @@ async fn metrics_count_real_calls_and_probes_answer() {
         .await
         .unwrap();
 
-    let (status, text) = http_get(server.ops, "/metrics").await;
+    let (status, text) = http_get(server.ops.unwrap(), "/metrics").await;
     assert_eq!(status, 200);
     let metrics = samples(&text);
     let get = |series: &str| {
@@ -197,18 +145,18 @@ async fn metrics_count_real_calls_and_probes_answer() {
     assert_eq!(get("dedupd_records"), 2.0);
     assert!(get("dedupd_store_disk_bytes") > 0.0);
 
-    assert_eq!(http_get(server.ops, "/healthz").await.0, 200);
-    assert_eq!(http_get(server.ops, "/readyz").await.0, 200);
-    assert_eq!(http_get(server.ops, "/nope").await.0, 404);
-    server.stop().await;
+    assert_eq!(http_get(server.ops.unwrap(), "/healthz").await.0, 200);
+    assert_eq!(http_get(server.ops.unwrap(), "/readyz").await.0, 200);
+    assert_eq!(http_get(server.ops.unwrap(), "/nope").await.0, 404);
+    stop(server).await;
 }
 
 #[tokio::test]
 async fn unix_socket_serves_the_same_api_beside_tcp() {
     let server = start(|_| {}).await;
-    let address = format!("unix://{}", server.socket.display());
+    let address = format!("unix://{}", server.socket.as_ref().unwrap().display());
     let mut over_unix = ClaimAndCommitClient::new(channel(&address).await.unwrap());
-    let mut over_tcp = ClaimAndCommitClient::new(channel(&server.grpc.to_string()).await.unwrap());
+    let mut over_tcp = ClaimAndCommitClient::new(channel(&server.addr.to_string()).await.unwrap());
     let claimed = claim(&mut over_unix, claim_request("uds-1")).await;
     assert_eq!(outcome(&claimed), pb::ClaimOutcome::Claimed);
     // One store behind both listeners.
@@ -224,7 +172,7 @@ async fn unix_socket_serves_the_same_api_beside_tcp() {
         outcome(&claim(&mut over_tcp, claim_request("uds-1")).await),
         pb::ClaimOutcome::Duplicate
     );
-    server.stop().await;
+    stop(server).await;
 }
 
 #[tokio::test]
@@ -233,7 +181,7 @@ async fn tokens_are_required_and_forget_needs_the_admin_token() {
     const ADMIN: &str = "admin-token-0123456789";
     let server = start(|config| config.guard.tokens = Some(Tokens::new(CLIENT, Some(ADMIN)))).await;
     let connect = |token: Option<&'static str>| {
-        let address = server.grpc.to_string();
+        let address = server.addr.to_string();
         async move {
             ClaimAndCommitClient::with_interceptor(
                 channel(&address).await.unwrap(),
@@ -274,7 +222,7 @@ async fn tokens_are_required_and_forget_needs_the_admin_token() {
 
     // Probes carry no token and still work.
     let mut health = tonic_health::pb::health_client::HealthClient::new(
-        channel(&server.grpc.to_string()).await.unwrap(),
+        channel(&server.addr.to_string()).await.unwrap(),
     );
     health
         .check(tonic_health::pb::HealthCheckRequest {
@@ -282,13 +230,13 @@ async fn tokens_are_required_and_forget_needs_the_admin_token() {
         })
         .await
         .unwrap();
-    server.stop().await;
+    stop(server).await;
 }
 
 #[tokio::test]
 async fn overload_is_shed_with_resource_exhausted() {
     let server = start(|config| config.guard.max_concurrent_requests = 1).await;
-    let channel = channel(&server.grpc.to_string()).await.unwrap();
+    let channel = channel(&server.addr.to_string()).await.unwrap();
     let mut tasks = Vec::new();
     for i in 0..64 {
         let mut client = ClaimAndCommitClient::new(channel.clone());
@@ -314,13 +262,13 @@ async fn overload_is_shed_with_resource_exhausted() {
         shed >= 1,
         "64 concurrent calls against a limit of 1 must shed some"
     );
-    server.stop().await;
+    stop(server).await;
 }
 
 #[tokio::test]
 async fn slow_calls_time_out_with_unavailable() {
     let server = start(|config| config.guard.request_timeout = Duration::from_millis(1)).await;
-    let mut client = ClaimAndCommitClient::new(channel(&server.grpc.to_string()).await.unwrap());
+    let mut client = ClaimAndCommitClient::new(channel(&server.addr.to_string()).await.unwrap());
     let items = (0..1000)
         .map(|i| claim_request(&format!("slow-{i}")))
         .collect();
@@ -330,5 +278,134 @@ async fn slow_calls_time_out_with_unavailable() {
         .unwrap_err();
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     assert!(status.message().contains("--request-timeout"), "{status:?}");
-    server.stop().await;
+    stop(server).await;
+}
+
+/// Defects 1 and 2 of the review: the concurrency limit is one for the
+/// process (not one per listener), and health checks and reflection are
+/// never shed and never need a token.
+#[tokio::test]
+async fn one_limit_for_every_listener_and_probes_are_never_shed() {
+    const CLIENT: &str = "client-token-0123456789";
+    let store = GatedStore::closed();
+    let server = TestServer::builder()
+        .config(|config| {
+            config.guard.max_concurrent_requests = 2;
+            config.guard.tokens = Some(Tokens::new(CLIENT, None));
+        })
+        .unix_socket()
+        .start_with_store(Arc::clone(&store))
+        .await;
+    let connect = |address: String| async move {
+        ClaimAndCommitClient::with_interceptor(
+            channel(&address).await.unwrap(),
+            BearerToken::new(Some(CLIENT)).unwrap(),
+        )
+    };
+    let unix = format!("unix://{}", server.socket.as_ref().unwrap().display());
+    // One call in flight on each listener: the limit of 2 is reached.
+    let mut in_flight = Vec::new();
+    for (i, address) in [server.addr.to_string(), unix.clone()]
+        .into_iter()
+        .enumerate()
+    {
+        let mut client = connect(address).await;
+        in_flight.push(tokio::spawn(async move {
+            client.claim(claim_request(&format!("held-{i}"))).await
+        }));
+    }
+    store.until_waiting(2).await;
+    for address in [server.addr.to_string(), unix] {
+        let refused = tokio::time::timeout(
+            Duration::from_secs(5),
+            connect(address).await.claim(claim_request("third")),
+        )
+        .await
+        .expect("a refusal is immediate, not queued")
+        .unwrap_err();
+        assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    }
+
+    // At saturation, with tokens required, probes and reflection carry no
+    // token and are still answered.
+    let plain = channel(&server.addr.to_string()).await.unwrap();
+    let serving = tonic_health::pb::health_client::HealthClient::new(plain.clone())
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "dedup.v1.ClaimAndCommit".into(),
+        })
+        .await
+        .expect("health is not shed")
+        .into_inner();
+    assert_eq!(
+        serving.status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+    let services = list_services(plain).await;
+    assert!(
+        services.contains(&"dedup.v1.ClaimAndCommit".to_owned()),
+        "{services:?}"
+    );
+
+    store.open();
+    for call in in_flight {
+        let claimed = call.await.unwrap().expect("held calls finish").into_inner();
+        assert_eq!(outcome(&claimed), pb::ClaimOutcome::Claimed);
+    }
+    stop(server).await;
+}
+
+/// Asks server reflection (v1) for the services it offers.
+async fn list_services(channel: tonic::transport::Channel) -> Vec<String> {
+    use tonic_reflection::pb::v1::{
+        server_reflection_client::ServerReflectionClient,
+        server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
+        ServerReflectionRequest,
+    };
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut answers = ServerReflectionClient::new(channel)
+        .server_reflection_info(tokio_stream::iter([request]))
+        .await
+        .expect("reflection is not shed and needs no token")
+        .into_inner();
+    match answers.message().await.unwrap().unwrap().message_response {
+        Some(MessageResponse::ListServicesResponse(list)) => list
+            .service
+            .into_iter()
+            .map(|service| service.name)
+            .collect(),
+        other => panic!("unexpected reflection answer {other:?}"),
+    }
+}
+
+/// Defect 3: a path under the service that is no method is labelled
+/// `other`, so clients cannot grow the metric's label set.
+#[tokio::test]
+async fn unknown_methods_share_one_metric_label() {
+    let server = start(|_| {}).await;
+    let mut grpc = tonic::client::Grpc::new(channel(&server.addr.to_string()).await.unwrap());
+    for method in ["Bogus1", "Bogus2"] {
+        grpc.ready().await.unwrap();
+        let path = format!("/dedup.v1.ClaimAndCommit/{method}");
+        let status = grpc
+            .unary::<pb::LookupRequest, pb::LookupResponse, _>(
+                tonic::Request::new(pb::LookupRequest::default()),
+                path.parse().unwrap(),
+                tonic_prost::ProstCodec::default(),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::Unimplemented);
+    }
+    let (_, text) = http_get(server.ops.unwrap(), "/metrics").await;
+    let metrics = samples(&text);
+    assert_eq!(
+        metrics.get(r#"dedupd_rpc_duration_seconds_count{rpc="other"}"#),
+        Some(&2.0),
+        "{text}"
+    );
+    assert!(!text.contains("Bogus"), "{text}");
+    stop(server).await;
 }

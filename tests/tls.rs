@@ -3,15 +3,9 @@
 
 mod common;
 
-use std::sync::Arc;
-
 use common::*;
-use dedupd::{
-    proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient},
-    server::ServerConfig,
-};
+use dedupd::proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient};
 use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
-use tokio::{net::TcpListener, sync::oneshot};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity, ServerTlsConfig};
 
 struct Pki {
@@ -40,20 +34,11 @@ impl Pki {
     }
 }
 
-async fn start(tls: ServerTlsConfig) -> (u16, oneshot::Sender<()>, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Arc::new(open_store(dir.path()));
-    let config = ServerConfig {
-        tls: Some(tls),
-        ..ServerConfig::default()
-    };
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let (shutdown, stop) = oneshot::channel::<()>();
-    tokio::spawn(dedupd::run(listener, store, config, async {
-        let _ = stop.await;
-    }));
-    (port, shutdown, dir)
+async fn start(tls: ServerTlsConfig) -> TestServer {
+    TestServer::builder()
+        .config(|config| config.tls = Some(tls))
+        .start()
+        .await
 }
 
 async fn try_claim(
@@ -86,7 +71,8 @@ async fn mutual_tls_accepts_only_clients_the_ca_signed() {
     let tls = ServerTlsConfig::new()
         .identity(Identity::from_pem(server_cert, server_key))
         .client_ca_root(Certificate::from_pem(&pki.ca_pem));
-    let (port, shutdown, _dir) = start(tls).await;
+    let server = start(tls).await;
+    let port = server.addr.port();
     let trusting = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(&pki.ca_pem))
         .domain_name("localhost");
@@ -114,15 +100,16 @@ async fn mutual_tls_accepts_only_clients_the_ca_signed() {
         .is_err());
     // Plaintext gets nowhere either.
     assert!(try_claim(connect(port, None).await).await.is_err());
-    let _ = shutdown.send(());
+    server.stop().await.expect("clean stop");
 }
 
 #[tokio::test]
 async fn server_only_tls_is_verified_by_the_client() {
     let pki = Pki::new();
     let (server_cert, server_key) = pki.leaf("localhost");
-    let (port, shutdown, _dir) =
+    let server =
         start(ServerTlsConfig::new().identity(Identity::from_pem(server_cert, server_key))).await;
+    let port = server.addr.port();
     let trusting = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(&pki.ca_pem))
         .domain_name("localhost");
@@ -138,5 +125,5 @@ async fn server_only_tls_is_verified_by_the_client() {
     assert!(try_claim(connect(port, Some(distrusting)).await)
         .await
         .is_err());
-    let _ = shutdown.send(());
+    server.stop().await.expect("clean stop");
 }

@@ -4,17 +4,37 @@
 
 #![allow(dead_code)]
 
-use std::{net::SocketAddr, path::Path, sync::Arc, time::Duration};
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
 
 use dedupd::{
     clock::{ManualClock, UnixMillis},
+    domain::{Key, OrderingScope, Record},
+    listen::{ListenAddr, Listener},
+    machine::{Change, SequenceMark},
+    metrics::Metrics,
     proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient},
     server::ServerConfig,
-    store::sled::{SledConfig, SledStore, SyncMode},
-    Error,
+    store::{
+        memory::MemoryStore,
+        sled::{SledConfig, SledStore, SyncMode},
+        IssueFencing, ReapReport, Store, StoreStats,
+    },
+    Error, Listeners,
 };
 use tempfile::TempDir;
-use tokio::{net::TcpListener, sync::oneshot, task::JoinHandle};
+use tokio::{
+    net::TcpListener,
+    sync::{oneshot, Semaphore},
+    task::JoinHandle,
+};
 use tonic::transport::Channel;
 
 /// 2026-01-01T00:00:00Z: tests start here and move time by hand.
@@ -22,58 +42,164 @@ pub const START: UnixMillis = UnixMillis(1_767_225_600_000);
 
 pub type Client = ClaimAndCommitClient<Channel>;
 
-pub struct TestServer {
+/// A real server on `127.0.0.1:0` (plus, if asked, a Unix socket and the ops
+/// port), over a sled store in a temporary directory unless given another
+/// store, stopped through the same future production uses.
+pub struct TestServer<S: Store = SledStore> {
     pub addr: SocketAddr,
     pub clock: ManualClock,
     pub dir: Arc<TempDir>,
-    pub store: Arc<SledStore>,
+    pub store: Arc<S>,
+    /// The Unix socket, with [`Builder::unix_socket`].
+    pub socket: Option<PathBuf>,
+    /// The ops HTTP address, with [`Builder::ops`].
+    pub ops: Option<SocketAddr>,
     shutdown: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<Result<(), Error>>>,
 }
 
-impl TestServer {
-    /// A server with default limits on a fresh directory.
-    pub async fn start() -> TestServer {
-        TestServer::start_with(|_| {}).await
+/// How to start a [`TestServer`].
+pub struct Builder {
+    config: ServerConfig,
+    dir: Option<Arc<TempDir>>,
+    clock: ManualClock,
+    unix_socket: bool,
+    ops: bool,
+}
+
+impl Builder {
+    /// Lets `adjust` change the server configuration.
+    pub fn config(mut self, adjust: impl FnOnce(&mut ServerConfig)) -> Self {
+        adjust(&mut self.config);
+        self
     }
 
-    /// A server whose configuration `adjust` may change.
-    pub async fn start_with(adjust: impl FnOnce(&mut ServerConfig)) -> TestServer {
-        let dir = Arc::new(tempfile::tempdir().expect("temp dir"));
-        let clock = ManualClock::new(START);
-        TestServer::start_in(dir, clock, adjust).await
+    /// Also listens on a Unix socket in the server's directory.
+    pub fn unix_socket(mut self) -> Self {
+        self.unix_socket = true;
+        self
     }
 
-    /// A server over the store in `dir` (e.g. after a restart).
-    pub async fn start_in(
-        dir: Arc<TempDir>,
-        clock: ManualClock,
-        adjust: impl FnOnce(&mut ServerConfig),
-    ) -> TestServer {
-        let store = Arc::new(open_store(dir.path()));
-        let mut config = ServerConfig {
-            clock: Arc::new(clock.clone()),
-            shutdown_grace: Duration::from_secs(5),
-            ..ServerConfig::default()
+    /// Also serves the ops endpoints on `127.0.0.1:0`.
+    pub fn ops(mut self) -> Self {
+        self.ops = true;
+        self
+    }
+
+    /// Uses the store in `dir` and `clock` (e.g. after a restart).
+    pub fn in_dir(mut self, dir: Arc<TempDir>, clock: ManualClock) -> Self {
+        self.dir = Some(dir);
+        self.clock = clock;
+        self
+    }
+
+    /// Starts over a sled store in the directory, reporting group commits
+    /// into the server's metrics.
+    pub async fn start(self) -> TestServer {
+        let dir = self.directory();
+        let store = Arc::new(open_store_observed(
+            &dir.path().join("data"),
+            Arc::clone(&self.config.metrics),
+        ));
+        self.start_on(dir, store).await
+    }
+
+    /// Starts over `store`.
+    pub async fn start_with_store<S: Store>(self, store: Arc<S>) -> TestServer<S> {
+        let dir = self.directory();
+        self.start_on(dir, store).await
+    }
+
+    fn directory(&self) -> Arc<TempDir> {
+        self.dir
+            .clone()
+            .unwrap_or_else(|| Arc::new(tempfile::tempdir().expect("temp dir")))
+    }
+
+    async fn start_on<S: Store>(self, dir: Arc<TempDir>, store: Arc<S>) -> TestServer<S> {
+        let mut config = self.config;
+        config.clock = Arc::new(self.clock.clone());
+        // Bind before spawning: the ports are ready before the first call.
+        let tcp = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = tcp.local_addr().expect("local addr");
+        let mut grpc = vec![Listener::Tcp(tcp)];
+        let socket = if self.unix_socket {
+            let path = dir.path().join("dedupd.sock");
+            grpc.push(
+                Listener::bind(&ListenAddr::Unix(path.clone()))
+                    .await
+                    .expect("bind unix socket"),
+            );
+            Some(path)
+        } else {
+            None
         };
-        adjust(&mut config);
-        // Bind before spawning: the port is ready before the first call.
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("local addr");
+        let (ops_listener, ops) = if self.ops {
+            let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind ops");
+            let address = listener.local_addr().expect("ops addr");
+            (Some(listener), Some(address))
+        } else {
+            (None, None)
+        };
+        let listeners = Listeners {
+            grpc,
+            ops: ops_listener,
+        };
         let (shutdown, stop) = oneshot::channel::<()>();
-        let task = tokio::spawn(dedupd::run(listener, Arc::clone(&store), config, async {
+        let task = tokio::spawn(dedupd::run(listeners, Arc::clone(&store), config, async {
             let _ = stop.await;
         }));
         TestServer {
             addr,
-            clock,
+            clock: self.clock,
             dir,
             store,
+            socket,
+            ops,
             shutdown: Some(shutdown),
             task: Some(task),
         }
     }
+}
 
+impl TestServer {
+    /// How to start a server; defaults: sled, TCP only, a manual clock at
+    /// [`START`], a 5 s shutdown grace.
+    pub fn builder() -> Builder {
+        Builder {
+            config: ServerConfig {
+                shutdown_grace: Duration::from_secs(5),
+                ..ServerConfig::default()
+            },
+            dir: None,
+            clock: ManualClock::new(START),
+            unix_socket: false,
+            ops: false,
+        }
+    }
+
+    /// A server with default limits on a fresh directory.
+    pub async fn start() -> TestServer {
+        TestServer::builder().start().await
+    }
+
+    /// A server whose configuration `adjust` may change.
+    pub async fn start_with(adjust: impl FnOnce(&mut ServerConfig)) -> TestServer {
+        TestServer::builder().config(adjust).start().await
+    }
+
+    /// Stops and starts again on the same directory and clock.
+    pub async fn restart(mut self) -> TestServer {
+        self.stop_in_place().await.expect("clean stop");
+        let TestServer {
+            dir, clock, store, ..
+        } = self;
+        drop(store);
+        TestServer::builder().in_dir(dir, clock).start().await
+    }
+}
+
+impl<S: Store> TestServer<S> {
     pub async fn client(&self) -> Client {
         ClaimAndCommitClient::new(self.channel().await)
     }
@@ -100,25 +226,22 @@ impl TestServer {
             None => Ok(()),
         }
     }
+}
 
-    /// Stops and starts again on the same directory and clock.
-    pub async fn restart(mut self) -> TestServer {
-        self.stop_in_place().await.expect("clean stop");
-        let TestServer {
-            dir, clock, store, ..
-        } = self;
-        drop(store);
-        TestServer::start_in(dir, clock, |_| {}).await
+pub fn sled_config(path: &Path) -> SledConfig {
+    SledConfig {
+        path: path.to_path_buf(),
+        sync: SyncMode::Always,
+        cache_capacity_bytes: 16 << 20,
     }
 }
 
 pub fn open_store(path: &Path) -> SledStore {
-    SledStore::open(&SledConfig {
-        path: path.to_path_buf(),
-        sync: SyncMode::Always,
-        cache_capacity_bytes: 16 << 20,
-    })
-    .expect("open sled store")
+    SledStore::open(&sled_config(path)).expect("open sled store")
+}
+
+fn open_store_observed(path: &Path, metrics: Arc<Metrics>) -> SledStore {
+    SledStore::open_with_metrics(&sled_config(path), Some(metrics)).expect("open sled store")
 }
 
 pub fn claim_request(correlation_id: &str) -> pb::ClaimRequest {
@@ -153,4 +276,103 @@ pub async fn claim(client: &mut Client, request: pb::ClaimRequest) -> pb::ClaimR
         .await
         .expect("claim call")
         .into_inner()
+}
+
+/// An in-memory store whose `durable()` waits until the test opens the
+/// gate: calls stay in flight for as long as a test needs, without sleeps.
+#[derive(Debug)]
+pub struct GatedStore {
+    inner: MemoryStore,
+    gate: Semaphore,
+    waiting: AtomicUsize,
+}
+
+impl GatedStore {
+    /// A store whose gate is closed.
+    pub fn closed() -> Arc<GatedStore> {
+        Arc::new(GatedStore {
+            inner: MemoryStore::new(),
+            gate: Semaphore::new(0),
+            waiting: AtomicUsize::new(0),
+        })
+    }
+
+    /// Calls waiting at the gate.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::SeqCst)
+    }
+
+    /// Waits (bounded) until `count` calls wait at the gate.
+    pub async fn until_waiting(&self, count: usize) {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while self.waiting() < count {
+                tokio::task::yield_now().await;
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("{count} calls never reached the gate"));
+    }
+
+    /// Lets every waiting and future call through.
+    pub fn open(&self) {
+        self.gate.add_permits(Semaphore::MAX_PERMITS / 2);
+    }
+}
+
+impl Store for GatedStore {
+    fn update<T, F>(
+        &self,
+        key: &Key,
+        apply: F,
+    ) -> impl std::future::Future<Output = Result<T, Error>> + Send
+    where
+        T: Send,
+        F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
+    {
+        self.inner.update(key, apply)
+    }
+
+    async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
+        self.inner.get(key).await
+    }
+
+    fn update_mark<F>(
+        &self,
+        scope: &OrderingScope,
+        apply: F,
+    ) -> impl std::future::Future<Output = Result<(), Error>> + Send
+    where
+        F: FnMut(Option<SequenceMark>) -> Option<SequenceMark> + Send,
+    {
+        self.inner.update_mark(scope, apply)
+    }
+
+    async fn get_mark(&self, scope: &OrderingScope) -> Result<Option<SequenceMark>, Error> {
+        self.inner.get_mark(scope).await
+    }
+
+    async fn durable(&self) -> Result<(), Error> {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        let permit = self.gate.acquire().await;
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+        drop(permit);
+        self.inner.durable().await
+    }
+
+    async fn reap(&self, now: UnixMillis, budget: usize) -> Result<ReapReport, Error> {
+        self.inner.reap(now, budget).await
+    }
+
+    fn health(&self) -> Result<(), Error> {
+        self.inner.health()
+    }
+
+    async fn stats(&self) -> StoreStats {
+        self.inner.stats().await
+    }
+
+    async fn close(&self) -> Result<(), Error> {
+        self.inner.close().await
+    }
 }
