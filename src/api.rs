@@ -78,6 +78,22 @@ pub fn check_namespace(namespace: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Checks that a duration is positive and at most `max`; used for config
+/// too, so a flag and a request field are held to the same words.
+pub fn check_duration(duration: Duration, max: Duration) -> Result<Duration, String> {
+    if duration.is_zero() {
+        Err("must be positive".into())
+    } else if duration > max {
+        Err(format!(
+            "must be at most {}, got {}",
+            humantime::format_duration(max),
+            humantime::format_duration(duration)
+        ))
+    } else {
+        Ok(duration)
+    }
+}
+
 /// Collects every violation of one request before answering.
 struct Checker<'a> {
     limits: &'a Limits,
@@ -165,22 +181,9 @@ impl<'a> Checker<'a> {
             self.violation(field, "must be a positive duration");
             return None;
         };
-        if duration.is_zero() {
-            self.violation(field, "must be positive");
-            None
-        } else if duration > max {
-            self.violation(
-                field,
-                format!(
-                    "must be at most {}, got {}",
-                    humantime::format_duration(max),
-                    humantime::format_duration(duration)
-                ),
-            );
-            None
-        } else {
-            Some(duration)
-        }
+        check_duration(duration, max)
+            .map_err(|problem| self.violation(field, problem))
+            .ok()
     }
 
     fn lease_token(&mut self, value: &str) -> Option<LeaseToken> {

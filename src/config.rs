@@ -1,22 +1,21 @@
-//! Command-line and environment configuration. Every flag of the server is
-//! also a `DEDUPD_*` variable; [`ServeArgs::validate`] checks the whole
-//! configuration before anything is opened or bound.
+//! Command-line and environment configuration: flags in, plain settings
+//! out. Every flag of the server is also a `DEDUPD_*` variable;
+//! [`ServeArgs::validate`] checks the whole configuration, and the relations
+//! between its parts, before anything is opened or bound. It builds no
+//! runtime object and reads no secret: `main` does that with the settings.
 
-use std::{net::SocketAddr, path::PathBuf, sync::Arc, time::Duration};
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
 use crate::{
     api::{
-        check_namespace, Limits, HARD_MAX_LEASE_TTL, HARD_MAX_RESPONSE_BYTES, HARD_MAX_RETENTION,
+        check_duration, check_namespace, Limits, HARD_MAX_LEASE_TTL, HARD_MAX_RESPONSE_BYTES,
+        HARD_MAX_RETENTION,
     },
     cli::ClientCommand,
-    clock::SystemClock,
-    guard::{GuardConfig, Tokens},
+    credentials::{AuthSources, TlsFiles, TokenSource},
     listen::ListenAddr,
-    metrics::Metrics,
-    server::ServerConfig,
     store::sled::{SledConfig, SyncMode},
 };
 
@@ -43,11 +42,24 @@ pub enum Command {
     Client(ClientCommand),
 }
 
-/// The store backends.
+/// `--sync`, mapped onto the store's [`SyncMode`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum StoreKind {
-    /// Embedded sled database in --data-dir (one sidecar per pod).
-    Sled,
+pub enum SyncFlag {
+    /// Every answer waits until its change is on disk (fdatasync), shared by
+    /// group commit. Survives `kill -9` and power loss.
+    Always,
+    /// Answers do not wait; the store flushes every 500 ms. A crash of the
+    /// machine can lose the last half second of changes.
+    None,
+}
+
+impl From<SyncFlag> for SyncMode {
+    fn from(flag: SyncFlag) -> SyncMode {
+        match flag {
+            SyncFlag::Always => SyncMode::Always,
+            SyncFlag::None => SyncMode::None,
+        }
+    }
 }
 
 /// How logs are written.
@@ -86,6 +98,11 @@ pub struct ServeArgs {
     /// The admin token itself, from the environment.
     #[arg(long, env = "DEDUPD_ADMIN_TOKEN", hide_env_values = true, hide = true)]
     pub admin_token: Option<String>,
+    /// Serve gRPC on a non-loopback TCP address without a token or mTLS
+    /// (refused otherwise: anyone who reaches the port could claim, commit
+    /// and release).
+    #[arg(long, env = "DEDUPD_ALLOW_UNAUTHENTICATED")]
+    pub allow_unauthenticated: bool,
     /// PEM certificate chain: serve TLS on the TCP listeners (needs --tls-key).
     #[arg(long, env = "DEDUPD_TLS_CERT")]
     pub tls_cert: Option<PathBuf>,
@@ -101,16 +118,13 @@ pub struct ServeArgs {
     /// Calls in progress at once; more are refused with RESOURCE_EXHAUSTED.
     #[arg(long, env = "DEDUPD_MAX_CONCURRENT_REQUESTS", default_value_t = 1024)]
     pub max_concurrent_requests: usize,
-    /// Store backend.
-    #[arg(long, env = "DEDUPD_STORE", value_enum, default_value_t = StoreKind::Sled)]
-    pub store: StoreKind,
     /// Directory of the embedded store (created if missing).
     #[arg(long, env = "DEDUPD_DATA_DIR", default_value = "./dedupd-data")]
     pub data_dir: PathBuf,
     /// `always`: every answer waits until its change is on disk (group
     /// commit). `none`: faster, but a machine crash loses recent changes.
-    #[arg(long, env = "DEDUPD_SYNC", value_enum, default_value_t = SyncMode::Always)]
-    pub sync: SyncMode,
+    #[arg(long, env = "DEDUPD_SYNC", value_enum, default_value_t = SyncFlag::Always)]
+    pub sync: SyncFlag,
     /// Page cache of the embedded store, in MiB.
     #[arg(long, env = "DEDUPD_CACHE_MB", default_value_t = 64)]
     pub cache_mb: u64,
@@ -154,9 +168,14 @@ pub struct ServeArgs {
     /// Tokio worker threads; 0 means one per CPU.
     #[arg(long, env = "DEDUPD_WORKER_THREADS", default_value_t = 0)]
     pub worker_threads: usize,
+    /// Once serving, write the bound addresses here as JSON (written whole,
+    /// by rename; removed on exit): a start-up signal for scripts and tests,
+    /// and the way to learn ports chosen with `:0`.
+    #[arg(long, env = "DEDUPD_READY_FILE")]
+    pub ready_file: Option<PathBuf>,
 }
 
-/// A validated server configuration.
+/// A validated server configuration: plain values, nothing opened or read.
 #[derive(Debug, Clone)]
 pub struct Settings {
     /// Where to serve gRPC.
@@ -165,8 +184,24 @@ pub struct Settings {
     pub metrics_listen: Option<SocketAddr>,
     /// The sled store's settings.
     pub sled: SledConfig,
-    /// The server's settings.
-    pub server: ServerConfig,
+    /// Request limits and defaults.
+    pub limits: Limits,
+    /// The bearer tokens' sources.
+    pub auth: AuthSources,
+    /// TLS on the TCP listeners.
+    pub tls: Option<TlsFiles>,
+    /// Calls in progress at once.
+    pub max_concurrent_requests: usize,
+    /// Longest a call may take.
+    pub request_timeout: Duration,
+    /// Largest gRPC message.
+    pub max_message_bytes: usize,
+    /// How often the reaper runs.
+    pub reaper_interval: Duration,
+    /// Time in-flight calls get on shutdown.
+    pub shutdown_grace: Duration,
+    /// Where to announce readiness.
+    pub ready_file: Option<PathBuf>,
     /// Log format.
     pub log_format: LogFormat,
     /// Log filter.
@@ -179,130 +214,88 @@ fn parse_namespace_retention(text: &str) -> Result<(String, Duration), String> {
     let (namespace, duration) = text
         .split_once('=')
         .ok_or_else(|| format!("{text:?} is not NAMESPACE=DURATION"))?;
+    if namespace.is_empty() {
+        return Err(format!(
+            "{text:?} names no namespace (requests without one use `default`: write default=…)"
+        ));
+    }
     check_namespace(namespace).map_err(|problem| format!("namespace {namespace:?} {problem}"))?;
     let duration = humantime::parse_duration(duration)
         .map_err(|e| format!("retention of {namespace:?}: {e}"))?;
     Ok((namespace.to_owned(), duration))
 }
 
-/// Shortest token accepted: guessing must not be an option.
-const MIN_TOKEN_BYTES: usize = 16;
-
-fn read_token(
-    kind: &str,
-    file: Option<&std::path::Path>,
-    value: Option<&str>,
-) -> Result<Option<String>, String> {
-    let token = match (file, value) {
-        (Some(_), Some(_)) => {
-            return Err(format!(
-                "give the {kind} token as a file or in the environment, not both"
-            ))
-        }
-        (Some(file), None) => std::fs::read_to_string(file)
-            .map_err(|e| format!("--{kind}-token-file {}: {e}", file.display()))?
-            .trim_end_matches(['\r', '\n'])
-            .to_owned(),
-        (None, Some(value)) => value.to_owned(),
-        (None, None) => return Ok(None),
-    };
-    if token.len() < MIN_TOKEN_BYTES {
-        return Err(format!(
-            "the {kind} token must be at least {MIN_TOKEN_BYTES} bytes"
-        ));
-    }
-    if token.chars().any(|c| c.is_control() || c == ' ') {
-        return Err(format!(
-            "the {kind} token must not contain spaces or control characters"
-        ));
-    }
-    Ok(Some(token))
-}
-
-fn source_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
-
-fn check_duration(name: &str, value: Duration, max: Duration) -> Result<(), String> {
-    if value.is_zero() {
-        return Err(format!("--{name} must be positive"));
-    }
-    if value > max {
-        return Err(format!(
-            "--{name} must be at most {}, got {}",
-            humantime::format_duration(max),
-            humantime::format_duration(value)
-        ));
-    }
-    Ok(())
-}
-
-fn read_pem(flag: &str, path: &std::path::Path) -> Result<Vec<u8>, String> {
-    let pem = std::fs::read(path).map_err(|e| format!("--{flag} {}: {e}", path.display()))?;
-    if !pem.windows(11).any(|window| window == b"-----BEGIN ") {
-        return Err(format!("--{flag} {}: not a PEM file", path.display()));
-    }
-    Ok(pem)
+fn check_duration_flag(name: &str, value: Duration, max: Duration) -> Result<Duration, String> {
+    check_duration(value, max).map_err(|problem| format!("--{name} {problem}"))
 }
 
 impl ServeArgs {
-    /// The TLS configuration, checked the way the server will load it.
-    fn tls(&self) -> Result<Option<ServerTlsConfig>, String> {
-        let (cert, key) = match (&self.tls_cert, &self.tls_key) {
+    fn tls(&self) -> Result<Option<TlsFiles>, String> {
+        match (&self.tls_cert, &self.tls_key) {
             (None, None) if self.tls_client_ca.is_some() => {
-                return Err("--tls-client-ca needs --tls-cert and --tls-key".into())
+                Err("--tls-client-ca needs --tls-cert and --tls-key".into())
             }
-            (None, None) => return Ok(None),
-            (Some(cert), Some(key)) => (cert, key),
-            _ => return Err("--tls-cert and --tls-key go together".into()),
-        };
-        let identity = Identity::from_pem(read_pem("tls-cert", cert)?, read_pem("tls-key", key)?);
-        let mut tls = ServerTlsConfig::new().identity(identity);
-        if let Some(ca) = &self.tls_client_ca {
-            tls = tls.client_ca_root(Certificate::from_pem(read_pem("tls-client-ca", ca)?));
+            (None, None) => Ok(None),
+            (Some(cert), Some(key)) => Ok(Some(TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                client_ca: self.tls_client_ca.clone(),
+            })),
+            _ => Err("--tls-cert and --tls-key go together".into()),
         }
-        // Build it once now, so a bad certificate or key is a configuration
-        // error (exit 64) and not a failure after binding.
-        tonic::transport::Server::builder()
-            .tls_config(tls.clone())
-            .map_err(|e| format!("TLS configuration rejected: {}", source_chain(&e)))?;
-        Ok(Some(tls))
+    }
+
+    fn auth(&self) -> AuthSources {
+        AuthSources {
+            client: TokenSource {
+                file: self.auth_token_file.clone(),
+                value: self.auth_token.clone(),
+            },
+            admin: TokenSource {
+                file: self.admin_token_file.clone(),
+                value: self.admin_token.clone(),
+            },
+        }
     }
 
     /// Checks every setting and their relations; the error is one line.
     pub fn validate(&self) -> Result<Settings, String> {
-        let max_lease_ttl: Duration = self.max_lease_ttl.into();
-        let max_retention: Duration = self.max_retention.into();
-        check_duration("max-lease-ttl", max_lease_ttl, HARD_MAX_LEASE_TTL)?;
-        check_duration(
+        let max_lease_ttl = check_duration_flag(
+            "max-lease-ttl",
+            self.max_lease_ttl.into(),
+            HARD_MAX_LEASE_TTL,
+        )?;
+        let default_lease_ttl = check_duration_flag(
             "default-lease-ttl",
             self.default_lease_ttl.into(),
             max_lease_ttl,
         )?;
-        check_duration("max-retention", max_retention, HARD_MAX_RETENTION)?;
-        check_duration(
+        let max_retention = check_duration_flag(
+            "max-retention",
+            self.max_retention.into(),
+            HARD_MAX_RETENTION,
+        )?;
+        let default_retention = check_duration_flag(
             "default-retention",
             self.default_retention.into(),
             max_retention,
         )?;
         for (namespace, retention) in &self.namespace_retention {
-            check_duration(
+            check_duration_flag(
                 &format!("namespace-retention of {namespace}"),
                 *retention,
                 max_retention,
             )?;
         }
-        check_duration(
+        let reaper_interval = check_duration_flag(
             "reaper-interval",
             self.reaper_interval.into(),
             Duration::from_secs(24 * 3600),
+        )?;
+        let request_timeout = check_duration_flag(
+            "request-timeout",
+            self.request_timeout.into(),
+            Duration::from_secs(3600),
         )?;
         if self.max_response_bytes > HARD_MAX_RESPONSE_BYTES {
             return Err(format!(
@@ -325,6 +318,9 @@ impl ServeArgs {
         }
         if self.cache_mb == 0 {
             return Err("--cache-mb must be at least 1".into());
+        }
+        if self.max_concurrent_requests == 0 {
+            return Err("--max-concurrent-requests must be at least 1".into());
         }
         if self.data_dir.exists() && !self.data_dir.is_dir() {
             return Err(format!(
@@ -349,32 +345,9 @@ impl ServeArgs {
                 }
             }
         }
-        let client_token = read_token(
-            "auth",
-            self.auth_token_file.as_deref(),
-            self.auth_token.as_deref(),
-        )?;
-        let admin_token = read_token(
-            "admin",
-            self.admin_token_file.as_deref(),
-            self.admin_token.as_deref(),
-        )?;
-        let tokens = match (client_token, admin_token) {
-            (Some(client), admin) => Some(Tokens::new(&client, admin.as_deref())),
-            (None, Some(_)) => {
-                return Err("an admin token needs a client token too (--auth-token-file)".into())
-            }
-            (None, None) => None,
-        };
+        let auth = self.auth();
         let tls = self.tls()?;
-        if self.max_concurrent_requests == 0 {
-            return Err("--max-concurrent-requests must be at least 1".into());
-        }
-        check_duration(
-            "request-timeout",
-            self.request_timeout.into(),
-            Duration::from_secs(3600),
-        )?;
+        self.check_exposure(&auth, tls.as_ref())?;
         let log_filter = tracing_subscriber::EnvFilter::try_new(&self.log)
             .map_err(|e| format!("--log {:?} is not a valid filter: {e}", self.log))?;
         Ok(Settings {
@@ -382,35 +355,48 @@ impl ServeArgs {
             metrics_listen,
             sled: SledConfig {
                 path: self.data_dir.clone(),
-                sync: self.sync,
+                sync: self.sync.into(),
                 cache_capacity_bytes: self.cache_mb << 20,
             },
-            server: ServerConfig {
-                limits: Limits {
-                    default_lease_ttl: self.default_lease_ttl.into(),
-                    max_lease_ttl,
-                    default_retention: self.default_retention.into(),
-                    max_retention,
-                    namespace_retention: self.namespace_retention.iter().cloned().collect(),
-                    max_response_bytes: self.max_response_bytes,
-                    max_batch_size: self.max_batch_size,
-                },
-                shutdown_grace: self.shutdown_grace.into(),
-                reaper_interval: self.reaper_interval.into(),
-                reaper_batch: 10_000,
-                max_message_bytes: self.max_message_bytes,
-                tls,
-                guard: GuardConfig {
-                    tokens,
-                    max_concurrent_requests: self.max_concurrent_requests,
-                    request_timeout: self.request_timeout.into(),
-                },
-                metrics: Arc::new(Metrics::new()),
-                clock: Arc::new(SystemClock),
+            limits: Limits {
+                default_lease_ttl,
+                max_lease_ttl,
+                default_retention,
+                max_retention,
+                namespace_retention: self.namespace_retention.iter().cloned().collect(),
+                max_response_bytes: self.max_response_bytes,
+                max_batch_size: self.max_batch_size,
             },
+            auth,
+            tls,
+            max_concurrent_requests: self.max_concurrent_requests,
+            request_timeout,
+            max_message_bytes: self.max_message_bytes,
+            reaper_interval,
+            shutdown_grace: self.shutdown_grace.into(),
+            ready_file: self.ready_file.clone(),
             log_format: self.log_format,
             log_filter,
             worker_threads: self.worker_threads,
         })
+    }
+
+    /// A gRPC port reachable beyond this host must know its callers: a token
+    /// or mTLS, unless the operator says the network is private.
+    fn check_exposure(&self, auth: &AuthSources, tls: Option<&TlsFiles>) -> Result<(), String> {
+        let authenticated = auth.client.is_set() || tls.is_some_and(|tls| tls.client_ca.is_some());
+        if authenticated || self.allow_unauthenticated {
+            return Ok(());
+        }
+        match self.listen.iter().find(|address| {
+            matches!(address, ListenAddr::Tcp(socket) if !socket.ip().is_loopback())
+        }) {
+            Some(exposed) => Err(format!(
+                "--listen {exposed} is reachable beyond this host, but no caller is authenticated: \
+                 set --auth-token-file or --tls-client-ca, listen on 127.0.0.1 or a unix:// socket, \
+                 or pass --allow-unauthenticated if only trusted peers can reach it"
+            )),
+            None => Ok(()),
+        }
     }
 }

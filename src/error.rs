@@ -79,18 +79,6 @@ impl From<io::Error> for Error {
     }
 }
 
-impl From<sled::Error> for Error {
-    fn from(error: sled::Error) -> Self {
-        match error {
-            sled::Error::Io(io_error) => io_error.into(),
-            sled::Error::Corruption { .. } => Error::Corrupt(error.to_string()),
-            sled::Error::CollectionNotFound(_)
-            | sled::Error::Unsupported(_)
-            | sled::Error::ReportableBug(_) => Error::Store(error.to_string()),
-        }
-    }
-}
-
 /// The reason in the `google.rpc.ErrorInfo` of a lost lease.
 pub const LEASE_LOST_REASON: &str = "LEASE_LOST";
 /// The domain in dedupd's `google.rpc.ErrorInfo` details.

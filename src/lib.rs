@@ -1,42 +1,50 @@
 //! dedupd: a deduplication sidecar. Consumers claim a producer's correlation
 //! ID before processing an event, commit it after the business write and
-//! release it on failure, so that a redelivered event becomes a no-op.
+//! release it on failure, so that a redelivered event becomes a no-op. The
+//! protocol is written down in `docs/protocol.md`.
 //!
 //! Module map, from the inside out:
 //! - [`clock`]: injectable time.
 //! - [`domain`]: keys, tokens, records, validated requests and outcomes.
-//! - [`machine`]: the state machine of SPEC §2, pure functions only.
+//! - [`machine`]: the protocol's state machine, pure functions only.
 //! - [`store`]: the storage contract and its backends ([`store::sled`],
 //!   [`store::memory`]).
 //! - [`engine`]: runs requests through the machine on a store, durably.
 //! - [`api`]: protobuf ↔ domain, with every field validated.
-//! - [`service`]: the gRPC handlers.
+//! - `service`: the gRPC handlers (internal).
+//! - `guard`: the tower stack in front of the dedup service: timing, load
+//!   shedding, one concurrency limit, the timeout, the token check (internal;
+//!   [`GuardConfig`] and [`Tokens`] configure it).
 //! - [`server`]: assembles the servers and runs them until shutdown.
-//! - [`listen`]: TCP and Unix-socket listeners.
-//! - [`guard`]: the tower layer for tokens, admission, timeouts and RPC timing.
-//! - [`ops`]: `/metrics`, `/healthz`, `/readyz` over HTTP.
-//! - [`metrics`]: the Prometheus metrics.
-//! - [`config`]: flags and `DEDUPD_*` variables.
+//! - `listen`: TCP and Unix-socket listeners ([`ListenAddr`], [`Listener`]).
+//! - `ops`: `/metrics`, `/healthz`, `/readyz` over HTTP (internal).
+//! - `metrics`: the Prometheus metrics ([`Metrics`]).
+//! - [`config`]: flags and `DEDUPD_*` variables → plain settings.
+//! - [`credentials`]: tokens and TLS material read from their files.
 //! - [`cli`]: the command-line client.
-//! - [`error`]: the error type and its gRPC status mapping.
+//! - `error`: the error type and its gRPC status mapping ([`Error`]).
 //! - [`proto`]: generated code.
 
 pub mod api;
 pub mod cli;
 pub mod clock;
 pub mod config;
+pub mod credentials;
 pub mod domain;
 pub mod engine;
-pub mod error;
-pub mod guard;
-pub mod listen;
+mod error;
+mod guard;
+mod listen;
 pub mod machine;
-pub mod metrics;
-pub mod ops;
+mod metrics;
+mod ops;
 pub mod proto;
 pub mod server;
-pub mod service;
+mod service;
 pub mod store;
 
-pub use error::Error;
+pub use error::{Error, FieldViolation};
+pub use guard::{GuardConfig, Tokens};
+pub use listen::{ListenAddr, Listener};
+pub use metrics::Metrics;
 pub use server::{run, Listeners, ServerConfig};

@@ -164,8 +164,9 @@ pub fn commit(
 }
 
 /// Release: the key becomes claimable at once; the record stays (released)
-/// so the attempt count is kept. Releasing what is already released or
-/// absent is fine; releasing someone else's claim or a commit is not.
+/// so the attempt count is kept. Releasing again with the same token, or
+/// releasing an absent key, is fine; releasing someone else's claim, a
+/// commit, or a release made with another token is not.
 pub fn release(
     current: Option<&Record>,
     request: &ReleaseRequest,
@@ -175,7 +176,9 @@ pub fn release(
         return (Change::Keep, Ok(ReleaseOutcome::NotFound));
     };
     match record.state {
-        RecordState::Released => (Change::Keep, Ok(ReleaseOutcome::AlreadyReleased)),
+        RecordState::Released if record.lease_token == request.lease_token => {
+            (Change::Keep, Ok(ReleaseOutcome::AlreadyReleased))
+        }
         RecordState::Claimed if record.lease_token == request.lease_token => {
             let released = Record {
                 state: RecordState::Released,
@@ -185,7 +188,11 @@ pub fn release(
             };
             (Change::Put(released), Ok(ReleaseOutcome::Released))
         }
-        RecordState::Claimed | RecordState::Committed => (Change::Keep, Err(LeaseLost)),
+        // Someone else's claim, a commit, or a release made with another
+        // token: this token does not hold the key.
+        RecordState::Claimed | RecordState::Committed | RecordState::Released => {
+            (Change::Keep, Err(LeaseLost))
+        }
     }
 }
 
@@ -574,6 +581,23 @@ mod tests {
         };
         assert_eq!(
             release(Some(&committed_record()), &holder, T0),
+            (Change::Keep, Err(LeaseLost))
+        );
+    }
+
+    #[test]
+    fn release_of_a_record_released_with_another_token_is_lease_lost() {
+        let holder = ReleaseRequest {
+            key: key(),
+            lease_token: LeaseToken(1),
+        };
+        let released = put(release(Some(&claimed_record()), &holder, T0).0);
+        let stranger = ReleaseRequest {
+            lease_token: LeaseToken(2),
+            ..holder
+        };
+        assert_eq!(
+            release(Some(&released), &stranger, T0),
             (Change::Keep, Err(LeaseLost))
         );
     }

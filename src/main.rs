@@ -8,10 +8,11 @@ use std::{io::IsTerminal, process::ExitCode, sync::Arc};
 use clap::{error::ErrorKind, Parser};
 use dedupd::{
     cli,
+    clock::SystemClock,
     config::{Cli, Command, LogFormat, ServeArgs, Settings},
-    listen::Listener,
-    store::sled::SledStore,
-    Listeners,
+    credentials::TlsFiles,
+    store::{sled::SledStore, CommitObserver},
+    GuardConfig, Listener, Listeners, Metrics, ServerConfig,
 };
 use tokio::net::TcpListener;
 
@@ -72,8 +73,8 @@ fn runtime(worker_threads: usize) -> Result<tokio::runtime::Runtime, ExitCode> {
 }
 
 fn serve(args: &ServeArgs) -> ExitCode {
-    let settings = match args.validate() {
-        Ok(settings) => settings,
+    let (settings, server) = match configure(args) {
+        Ok(configured) => configured,
         Err(line) => {
             eprintln!("dedupd: invalid configuration: {line}");
             return ExitCode::from(EXIT_CONFIG);
@@ -85,8 +86,8 @@ fn serve(args: &ServeArgs) -> ExitCode {
         Err(code) => return code,
     };
     runtime.block_on(async move {
-        let metrics = Arc::clone(&settings.server.metrics);
-        let store = match SledStore::open_with_metrics(&settings.sled, Some(metrics)) {
+        let observer: Arc<dyn CommitObserver> = Arc::clone(&server.metrics) as _;
+        let store = match SledStore::open_observed(&settings.sled, Some(observer)) {
             Ok(store) => Arc::new(store),
             Err(error) => {
                 tracing::error!(%error, data_dir = %settings.sled.path.display(), "cannot open the store");
@@ -114,11 +115,37 @@ fn serve(args: &ServeArgs) -> ExitCode {
             },
         };
         let listeners = Listeners { grpc, ops };
-        match dedupd::run(listeners, store, settings.server, shutdown_signal()).await {
+        match dedupd::run(listeners, store, server, shutdown_signal()).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(_) => ExitCode::FAILURE,
         }
     })
+}
+
+/// Flags → settings → the server's runtime configuration: secrets and
+/// certificates are read here, still before anything is opened or bound, so
+/// a bad one is a configuration error too.
+fn configure(args: &ServeArgs) -> Result<(Settings, ServerConfig), String> {
+    let settings = args.validate()?;
+    let tokens = settings.auth.load()?;
+    let tls = settings.tls.as_ref().map(TlsFiles::load).transpose()?;
+    let server = ServerConfig {
+        limits: settings.limits.clone(),
+        shutdown_grace: settings.shutdown_grace,
+        reaper_interval: settings.reaper_interval,
+        max_message_bytes: settings.max_message_bytes,
+        guard: GuardConfig {
+            tokens,
+            max_concurrent_requests: settings.max_concurrent_requests,
+            request_timeout: settings.request_timeout,
+        },
+        tls,
+        metrics: Arc::new(Metrics::new()),
+        clock: Arc::new(SystemClock),
+        ready_file: settings.ready_file.clone(),
+        ..ServerConfig::default()
+    };
+    Ok((settings, server))
 }
 
 fn init_tracing(settings: &Settings) {

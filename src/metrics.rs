@@ -4,6 +4,7 @@
 
 use std::{collections::HashSet, fmt, sync::Mutex, time::Duration};
 
+use crate::store::CommitObserver;
 use prometheus_client::{
     encoding::{text::encode, EncodeLabelSet},
     metrics::{
@@ -53,6 +54,13 @@ pub struct Metrics {
 impl fmt::Debug for Metrics {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("Metrics")
+    }
+}
+
+impl CommitObserver for Metrics {
+    fn group_commit(&self, callers: usize, elapsed: Duration) {
+        self.group_commit_size.observe(callers as f64);
+        self.sync_seconds.observe(elapsed.as_secs_f64());
     }
 }
 
@@ -192,12 +200,6 @@ impl Metrics {
         self.rpc_seconds
             .get_or_create(&RpcLabels { rpc })
             .observe(elapsed.as_secs_f64());
-    }
-
-    /// Records one group commit.
-    pub fn group_commit(&self, size: usize, elapsed: Duration) {
-        self.group_commit_size.observe(size as f64);
-        self.sync_seconds.observe(elapsed.as_secs_f64());
     }
 
     /// Records one reaper pass.

@@ -5,6 +5,7 @@
 
 use std::{
     future::Future,
+    path::{Path, PathBuf},
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc,
@@ -55,6 +56,8 @@ pub struct ServerConfig {
     pub metrics: Arc<Metrics>,
     /// The time source.
     pub clock: Arc<dyn Clock>,
+    /// Written once serving (the bound addresses, as JSON); removed on exit.
+    pub ready_file: Option<PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -73,6 +76,7 @@ impl Default for ServerConfig {
             tls: None,
             metrics: Arc::new(Metrics::new()),
             clock: Arc::new(SystemClock),
+            ready_file: None,
         }
     }
 }
@@ -147,8 +151,10 @@ pub async fn run<S: Store>(
         .build_v1alpha()
         .map_err(|e| Error::Server(format!("reflection: {e}")))?;
 
+    let mut announced = ReadyAnnouncement::default();
     let mut servers = JoinSet::new();
     for listener in listeners.grpc {
+        announced.grpc.push(listener.describe());
         tracing::info!(address = %listener.describe(), "dedupd serving");
         let builder = match (&config.tls, &listener) {
             (Some(tls), Listener::Tcp(_)) => Server::builder()
@@ -188,7 +194,8 @@ pub async fn run<S: Store>(
     if let Some(listener) = listeners.ops {
         match listener.local_addr() {
             Ok(address) => {
-                tracing::info!(%address, "ops endpoints (/metrics, /healthz, /readyz) serving")
+                tracing::info!(%address, "ops endpoints (/metrics, /healthz, /readyz) serving");
+                announced.metrics = Some(address.to_string());
             }
             Err(error) => tracing::warn!(%error, "ops endpoints serving on an unknown address"),
         }
@@ -199,6 +206,14 @@ pub async fn run<S: Store>(
                 .map_err(|e| Error::Server(format!("ops server: {e}")))
         });
     }
+
+    let _ready_file =
+        match &config.ready_file {
+            Some(path) => Some(announced.write(path).map_err(|error| {
+                Error::Server(format!("--ready-file {}: {error}", path.display()))
+            })?),
+            None => None,
+        };
 
     // Started last: nothing above may fail and leave it running.
     let maintenance = tokio::spawn(maintain(
@@ -253,6 +268,41 @@ pub async fn run<S: Store>(
         (Err(_), Ok(())) => tracing::info!("dedupd stopped after a server failure; store synced"),
     }
     served.and(closed)
+}
+
+/// What the ready file says: where dedupd serves.
+#[derive(Debug, Default)]
+struct ReadyAnnouncement {
+    grpc: Vec<String>,
+    metrics: Option<String>,
+}
+
+impl ReadyAnnouncement {
+    /// Writes the file whole (temporary file, then rename), so a reader
+    /// never sees half of it; it is removed again when the guard drops.
+    fn write(&self, path: &Path) -> std::io::Result<RemoveOnDrop> {
+        let text = serde_json::json!({
+            "pid": std::process::id(),
+            "grpc": self.grpc,
+            "metrics": self.metrics,
+        })
+        .to_string();
+        let mut partial = path.as_os_str().to_owned();
+        partial.push(".partial");
+        std::fs::write(&partial, text + "\n")?;
+        std::fs::rename(&partial, path)?;
+        Ok(RemoveOnDrop(path.to_owned()))
+    }
+}
+
+/// Removes a file when dropped.
+#[derive(Debug)]
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 /// Aborts a task when dropped, so no task outlives `run`, whichever way it

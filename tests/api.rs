@@ -169,6 +169,13 @@ async fn release_makes_the_key_claimable_at_once_and_keeps_attempts() {
         .await
         .unwrap_err();
     assert_eq!(stolen.code(), Code::FailedPrecondition);
+    // ALREADY_RELEASED is for the token that released it, not for any token.
+    client.release(release(&second.lease_token)).await.unwrap();
+    let other_token = client
+        .release(release(&first.lease_token))
+        .await
+        .unwrap_err();
+    assert_eq!(other_token.code(), Code::FailedPrecondition);
 
     let absent = client
         .release(pb::ReleaseRequest {

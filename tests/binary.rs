@@ -7,7 +7,7 @@ use std::{
     net::SocketAddr,
     path::Path,
     process::{Child, Command, Stdio},
-    sync::{mpsc, Arc, Mutex},
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
@@ -21,17 +21,20 @@ struct Sidecar {
     child: Child,
     addr: SocketAddr,
     log: Arc<Mutex<Vec<String>>>,
+    ready_dir: tempfile::TempDir,
 }
 
 impl Sidecar {
     /// Starts the binary on an ephemeral port and waits (bounded) until it
-    /// logs the address it serves on.
+    /// writes its ready file, which names the port.
     fn start(data_dir: &Path) -> Sidecar {
         Sidecar::start_with(data_dir, &[])
     }
 
     /// Like [`Sidecar::start`], with more flags.
     fn start_with(data_dir: &Path, extra: &[&str]) -> Sidecar {
+        let ready_dir = tempfile::tempdir().unwrap();
+        let ready_file = ready_dir.path().join("ready.json");
         let mut child = Command::new(BINARY)
             .args(extra)
             .args([
@@ -46,33 +49,31 @@ impl Sidecar {
             ])
             .arg("--data-dir")
             .arg(data_dir)
+            .arg("--ready-file")
+            .arg(&ready_file)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn dedupd");
         let stderr = child.stderr.take().expect("stderr");
         let log = Arc::new(Mutex::new(Vec::new()));
-        let (found, address) = mpsc::channel();
         let lines = Arc::clone(&log);
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Ok(event) = serde_json::from_str::<Value>(&line) {
-                    if event["message"] == "dedupd serving" {
-                        let _ =
-                            found.send(event["address"].as_str().unwrap_or_default().to_owned());
-                    }
-                }
                 lines.lock().unwrap().push(line);
             }
         });
-        let addr = match address.recv_timeout(Duration::from_secs(20)) {
-            Ok(addr) => addr.parse().expect("address"),
-            Err(_) => {
-                let _ = child.kill();
-                panic!("dedupd did not start: {:?}", log.lock().unwrap());
-            }
-        };
-        Sidecar { child, addr, log }
+        let ready = wait_for_ready_file(&mut child, &ready_file, &log);
+        let addr = ready["grpc"][0]
+            .as_str()
+            .and_then(|addr| addr.parse().ok())
+            .unwrap_or_else(|| panic!("no gRPC address in the ready file: {ready}"));
+        Sidecar {
+            child,
+            addr,
+            log,
+            ready_dir,
+        }
     }
 
     async fn client(&self) -> ClaimAndCommitClient<tonic::transport::Channel> {
@@ -95,6 +96,31 @@ impl Drop for Sidecar {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Waits (bounded) until `child` writes `path`, and returns what it says;
+/// panics with the log if the child exits or takes longer than 20 s.
+fn wait_for_ready_file(child: &mut Child, path: &Path, log: &Mutex<Vec<String>>) -> Value {
+    let started = Instant::now();
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path) {
+            return serde_json::from_str(&text).expect("the ready file is JSON");
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!(
+                "dedupd exited with {status} before it was ready: {:?}",
+                log.lock().unwrap()
+            );
+        }
+        if started.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            panic!(
+                "dedupd was not ready within 20 s: {:?}",
+                log.lock().unwrap()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 
@@ -240,6 +266,10 @@ async fn sigterm_drains_syncs_and_exits_zero() {
     let log = sidecar.log_text();
     assert!(log.contains("SIGTERM received"), "{log}");
     assert!(log.contains("store synced"), "{log}");
+    assert!(
+        !sidecar.ready_dir.path().join("ready.json").exists(),
+        "the ready file is removed on exit"
+    );
     drop(sidecar);
 
     // What was claimed before SIGTERM is there after the restart.
@@ -322,6 +352,25 @@ fn bad_configuration_exits_64_with_one_line_before_touching_anything() {
             vec![],
             "not a PEM",
         ),
+        // A retention for no namespace would never apply.
+        (
+            vec!["--namespace-retention", "=30days"],
+            vec![],
+            "names no namespace",
+        ),
+        // Reachable beyond the host with nobody authenticated.
+        (
+            vec!["--listen", "0.0.0.0:50051"],
+            vec![],
+            "--allow-unauthenticated",
+        ),
+        (
+            vec!["--listen", "127.0.0.1:0,[::]:50051"],
+            vec![],
+            "no caller is authenticated",
+        ),
+        // There is one store until the shared ones exist: no stub flag.
+        (vec!["--store", "sled"], vec![], "--store"),
     ];
     for (args, env, mentioned) in cases {
         let output = Command::new(BINARY)
@@ -347,6 +396,25 @@ fn bad_configuration_exits_64_with_one_line_before_touching_anything() {
         !data_dir.exists(),
         "bad configuration must not create the data directory"
     );
+}
+
+/// A non-loopback gRPC address starts once callers are authenticated, or
+/// when the operator says the network is private.
+#[test]
+fn non_loopback_listen_starts_with_a_token_or_explicit_consent() {
+    for extra in [
+        vec!["--listen", "0.0.0.0:0", "--allow-unauthenticated"],
+        vec![
+            "--listen",
+            "0.0.0.0:0",
+            "--auth-token-file",
+            "/proc/sys/kernel/random/boot_id",
+        ],
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let sidecar = Sidecar::start_with(dir.path(), &extra);
+        assert_eq!(sidecar.addr.ip().to_string(), "0.0.0.0", "{extra:?}");
+    }
 }
 
 fn cli(addr: SocketAddr, args: &[&str]) -> (i32, String, String) {

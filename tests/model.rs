@@ -145,7 +145,9 @@ impl Model {
                 let number = self.token_claim_number(key, choice);
                 match self.live(key) {
                     None => "NOT_FOUND".into(),
-                    Some(r) if r.state == ModelState::Released => "ALREADY_RELEASED".into(),
+                    Some(r) if r.state == ModelState::Released && r.claim_number == number => {
+                        "ALREADY_RELEASED".into()
+                    }
                     Some(r)
                         if r.state == ModelState::Claimed
                             && r.claim_number == number

@@ -9,10 +9,10 @@ use std::{collections::HashMap, net::SocketAddr, sync::Arc, time::Duration};
 use common::*;
 use dedupd::{
     cli::{channel, BearerToken},
-    guard::Tokens,
     proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient},
     server::ServerConfig,
     store::Store,
+    Tokens,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::Code;

@@ -10,7 +10,7 @@ pub mod codec;
 pub mod memory;
 pub mod sled;
 
-use std::future::Future;
+use std::{fmt, future::Future, time::Duration};
 
 use crate::{
     clock::UnixMillis,
@@ -22,6 +22,13 @@ use crate::{
 /// Issues fencing tokens inside a read-modify-write; called only when a
 /// claim is granted.
 pub type IssueFencing<'a> = &'a mut dyn FnMut() -> Result<FencingToken, Error>;
+
+/// Told about each group commit (how many callers one disk sync answered,
+/// and how long it took), so a store reports without knowing the metrics.
+pub trait CommitObserver: Send + Sync + fmt::Debug {
+    /// One group commit finished.
+    fn group_commit(&self, callers: usize, elapsed: Duration);
+}
 
 /// What one pass of the reaper did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -40,18 +40,29 @@ use tokio::sync::oneshot;
 
 use super::{
     codec::{decode_mark, decode_record, encode_mark, encode_record},
-    IssueFencing, ReapReport, Store, StoreStats,
+    CommitObserver, IssueFencing, ReapReport, Store, StoreStats,
 };
 use crate::{
     clock::UnixMillis,
     domain::{FencingToken, Key, OrderingScope, Record},
     error::Error,
     machine::{Change, SequenceMark},
-    metrics::Metrics,
 };
 
+impl From<sled::Error> for Error {
+    fn from(error: sled::Error) -> Self {
+        match error {
+            sled::Error::Io(io_error) => io_error.into(),
+            sled::Error::Corruption { .. } => Error::Corrupt(error.to_string()),
+            sled::Error::CollectionNotFound(_)
+            | sled::Error::Unsupported(_)
+            | sled::Error::ReportableBug(_) => Error::Store(error.to_string()),
+        }
+    }
+}
+
 /// When a change counts as stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SyncMode {
     /// Every answer waits until its change is on disk (fdatasync), shared by
     /// group commit. Survives `kill -9` and power loss.
@@ -140,13 +151,13 @@ impl SledStore {
     /// Opens (or creates) the store and proves it writable with one synced
     /// write before returning.
     pub fn open(config: &SledConfig) -> Result<SledStore, Error> {
-        SledStore::open_with_metrics(config, None)
+        SledStore::open_observed(config, None)
     }
 
-    /// Like [`SledStore::open`], reporting group commits to `metrics`.
-    pub fn open_with_metrics(
+    /// Like [`SledStore::open`], telling `observer` about each group commit.
+    pub fn open_observed(
         config: &SledConfig,
-        metrics: Option<Arc<Metrics>>,
+        observer: Option<Arc<dyn CommitObserver>>,
     ) -> Result<SledStore, Error> {
         std::fs::create_dir_all(&config.path)?;
         let db = sled::Config::new()
@@ -184,7 +195,7 @@ impl SledStore {
                 BlobSyncer::new(config.path.join("blobs")),
                 Arc::clone(&counters),
                 Arc::clone(&failure),
-                metrics,
+                observer,
             )?),
             SyncMode::None => None,
         };
@@ -450,7 +461,7 @@ fn spawn_committer(
     mut blobs: BlobSyncer,
     counters: Arc<WriteCounters>,
     failure: Arc<OnceLock<String>>,
-    metrics: Option<Arc<Metrics>>,
+    observer: Option<Arc<dyn CommitObserver>>,
 ) -> Result<Committer, Error> {
     let (queue, waiters) = mpsc::channel::<Waiter>();
     let thread = thread::Builder::new()
@@ -477,8 +488,8 @@ fn spawn_committer(
                             sync_us = (elapsed - flush_time).as_micros() as u64,
                             "group commit"
                         );
-                        if let Some(metrics) = &metrics {
-                            metrics.group_commit(batch.len(), elapsed);
+                        if let Some(observer) = &observer {
+                            observer.group_commit(batch.len(), elapsed);
                         }
                         match synced {
                             Ok(()) => {

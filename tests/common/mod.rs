@@ -17,9 +17,7 @@ use std::{
 use dedupd::{
     clock::{ManualClock, UnixMillis},
     domain::{Key, OrderingScope, Record},
-    listen::{ListenAddr, Listener},
     machine::{Change, SequenceMark},
-    metrics::Metrics,
     proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient},
     server::ServerConfig,
     store::{
@@ -27,7 +25,7 @@ use dedupd::{
         sled::{SledConfig, SledStore, SyncMode},
         IssueFencing, ReapReport, Store, StoreStats,
     },
-    Error, Listeners,
+    Error, ListenAddr, Listener, Listeners, Metrics,
 };
 use tempfile::TempDir;
 use tokio::{
@@ -241,7 +239,7 @@ pub fn open_store(path: &Path) -> SledStore {
 }
 
 fn open_store_observed(path: &Path, metrics: Arc<Metrics>) -> SledStore {
-    SledStore::open_with_metrics(&sled_config(path), Some(metrics)).expect("open sled store")
+    SledStore::open_observed(&sled_config(path), Some(metrics)).expect("open sled store")
 }
 
 pub fn claim_request(correlation_id: &str) -> pb::ClaimRequest {

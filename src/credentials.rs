@@ -1,0 +1,136 @@
+//! Reads the secrets and certificates the configuration names — bearer
+//! tokens and TLS material — once, at start, before anything is bound. A
+//! problem is one line for the exit-64 message; a token never appears in it.
+
+use std::path::{Path, PathBuf};
+
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+
+use crate::guard::Tokens;
+
+/// Shortest token accepted: guessing must not be an option.
+const MIN_TOKEN_BYTES: usize = 16;
+
+/// Where one token comes from: a file (recommended) or the environment.
+#[derive(Clone, Default)]
+pub struct TokenSource {
+    /// `--*-token-file`.
+    pub file: Option<PathBuf>,
+    /// The token itself, from a `DEDUPD_*_TOKEN` variable.
+    pub value: Option<String>,
+}
+
+impl std::fmt::Debug for TokenSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenSource")
+            .field("file", &self.file)
+            .field("value", &self.value.as_ref().map(|_| "redacted"))
+            .finish()
+    }
+}
+
+impl TokenSource {
+    /// Whether a token is configured at all (it may still fail to load).
+    pub fn is_set(&self) -> bool {
+        self.file.is_some() || self.value.is_some()
+    }
+
+    fn load(&self, kind: &str) -> Result<Option<String>, String> {
+        let token = match (&self.file, &self.value) {
+            (Some(_), Some(_)) => {
+                return Err(format!(
+                    "give the {kind} token as a file or in the environment, not both"
+                ))
+            }
+            (Some(file), None) => std::fs::read_to_string(file)
+                .map_err(|e| format!("--{kind}-token-file {}: {e}", file.display()))?
+                .trim_end_matches(['\r', '\n'])
+                .to_owned(),
+            (None, Some(value)) => value.clone(),
+            (None, None) => return Ok(None),
+        };
+        if token.len() < MIN_TOKEN_BYTES {
+            return Err(format!(
+                "the {kind} token must be at least {MIN_TOKEN_BYTES} bytes"
+            ));
+        }
+        if token.chars().any(|c| c.is_control() || c == ' ') {
+            return Err(format!(
+                "the {kind} token must not contain spaces or control characters"
+            ));
+        }
+        Ok(Some(token))
+    }
+}
+
+/// The client token and the admin token.
+#[derive(Debug, Clone, Default)]
+pub struct AuthSources {
+    /// Opens every call.
+    pub client: TokenSource,
+    /// Also opens `Forget`.
+    pub admin: TokenSource,
+}
+
+impl AuthSources {
+    /// The tokens, or `None` when calls are not authenticated.
+    pub fn load(&self) -> Result<Option<Tokens>, String> {
+        match (self.client.load("auth")?, self.admin.load("admin")?) {
+            (Some(client), admin) => Ok(Some(Tokens::new(&client, admin.as_deref()))),
+            (None, Some(_)) => {
+                Err("an admin token needs a client token too (--auth-token-file)".into())
+            }
+            (None, None) => Ok(None),
+        }
+    }
+}
+
+/// The PEM files of TLS on the TCP listeners.
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    /// Certificate chain.
+    pub cert: PathBuf,
+    /// Its private key.
+    pub key: PathBuf,
+    /// CA bundle clients' certificates must chain to (mTLS), if any.
+    pub client_ca: Option<PathBuf>,
+}
+
+impl TlsFiles {
+    /// Reads the files and builds the configuration the server will use,
+    /// once, so a bad certificate or key is a configuration error (exit 64)
+    /// and not a failure after binding.
+    pub fn load(&self) -> Result<ServerTlsConfig, String> {
+        let identity = Identity::from_pem(
+            read_pem("tls-cert", &self.cert)?,
+            read_pem("tls-key", &self.key)?,
+        );
+        let mut tls = ServerTlsConfig::new().identity(identity);
+        if let Some(ca) = &self.client_ca {
+            tls = tls.client_ca_root(Certificate::from_pem(read_pem("tls-client-ca", ca)?));
+        }
+        tonic::transport::Server::builder()
+            .tls_config(tls.clone())
+            .map_err(|e| format!("TLS configuration rejected: {}", source_chain(&e)))?;
+        Ok(tls)
+    }
+}
+
+fn read_pem(flag: &str, path: &Path) -> Result<Vec<u8>, String> {
+    let pem = std::fs::read(path).map_err(|e| format!("--{flag} {}: {e}", path.display()))?;
+    if !pem.windows(11).any(|window| window == b"-----BEGIN ") {
+        return Err(format!("--{flag} {}: not a PEM file", path.display()));
+    }
+    Ok(pem)
+}
+
+fn source_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
