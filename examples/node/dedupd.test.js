@@ -8,7 +8,6 @@ const assert = require('node:assert/strict');
 const fs = require('node:fs');
 const os = require('node:os');
 const path = require('node:path');
-const readline = require('node:readline');
 const { spawn } = require('node:child_process');
 const { Dedup, InProgress, Stale } = require('./dedupd');
 
@@ -16,25 +15,29 @@ const BINARY = process.env.DEDUPD_BIN || path.resolve(__dirname, '..', '..', 'ta
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
 async function startSidecar(t) {
-  const dataDir = fs.mkdtempSync(path.join(os.tmpdir(), 'dedupd-node-'));
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'dedupd-node-'));
+  const readyFile = path.join(dir, 'ready.json');
   const child = spawn(BINARY, ['--listen', '127.0.0.1:0', '--metrics-listen', 'off',
-    '--log-format', 'json', '--data-dir', dataDir], { stdio: ['ignore', 'ignore', 'pipe'] });
-  const address = await new Promise((resolve, reject) => {
-    const timer = setTimeout(() => reject(new Error('dedupd did not start')), 20000);
-    readline.createInterface({ input: child.stderr }).on('line', (line) => {
-      const event = JSON.parse(line);
-      if (event.message === 'dedupd serving') {
-        clearTimeout(timer);
-        resolve(event.address);
-      }
-    });
-    child.on('exit', (code) => reject(new Error(`dedupd exited with ${code}`)));
-  });
+    '--log-format', 'json', '--data-dir', path.join(dir, 'data'), '--ready-file', readyFile],
+  { stdio: ['ignore', 'ignore', 'ignore'] });
+  let exitCode = null;
+  child.on('exit', (code) => { exitCode = code; });
+  // dedupd writes the ready file (whole, by rename) once it serves; it
+  // names the port it bound.
+  const deadline = Date.now() + 20000;
+  while (!fs.existsSync(readyFile)) {
+    if (exitCode !== null) throw new Error(`dedupd exited with ${exitCode}`);
+    if (Date.now() > deadline) throw new Error('dedupd was not ready within 20 s');
+    await sleep(10);
+  }
+  const address = JSON.parse(fs.readFileSync(readyFile, 'utf8')).grpc[0];
   t.after(async () => {
-    const exited = new Promise((resolve) => child.on('exit', resolve));
+    const exited = exitCode !== null ? Promise.resolve(exitCode)
+      : new Promise((resolve) => child.on('exit', resolve));
     child.kill('SIGTERM');
     assert.equal(await exited, 0, 'dedupd exits 0 on SIGTERM');
-    fs.rmSync(dataDir, { recursive: true, force: true });
+    assert.ok(!fs.existsSync(readyFile), 'dedupd removes its ready file on exit');
+    fs.rmSync(dir, { recursive: true, force: true });
   });
   return address;
 }

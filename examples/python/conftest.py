@@ -5,7 +5,6 @@ import os
 import pathlib
 import subprocess
 import tempfile
-import threading
 import time
 
 import pytest
@@ -17,27 +16,22 @@ BINARY = os.environ.get("DEDUPD_BIN", str(ROOT / "target" / "debug" / "dedupd"))
 @pytest.fixture()
 def sidecar():
     data = tempfile.TemporaryDirectory()
+    ready_file = pathlib.Path(data.name) / "ready.json"
     process = subprocess.Popen(
         [BINARY, "--listen", "127.0.0.1:0", "--metrics-listen", "off", "--log-format", "json",
-         "--data-dir", data.name],
-        stderr=subprocess.PIPE,
-        text=True,
+         "--data-dir", str(pathlib.Path(data.name) / "data"), "--ready-file", str(ready_file)],
+        stderr=subprocess.DEVNULL,
     )
-    address = None
+    # dedupd writes the ready file (whole, by rename) once it serves; it
+    # names the port it bound.
     deadline = time.monotonic() + 20
-    while address is None and time.monotonic() < deadline:
-        line = process.stderr.readline()
-        if not line:
-            break
-        event = json.loads(line)
-        if event.get("message") == "dedupd serving":
-            address = event["address"]
-    assert address, "dedupd did not start"
-    # Keep draining its logs so it never blocks on a full pipe.
-    threading.Thread(target=process.stderr.read, daemon=True).start()
+    while not ready_file.exists():
+        assert process.poll() is None, f"dedupd exited with {process.returncode}"
+        assert time.monotonic() < deadline, "dedupd was not ready within 20 s"
+        time.sleep(0.01)
+    address = json.loads(ready_file.read_text())["grpc"][0]
     yield address
     process.terminate()
     assert process.wait(timeout=30) == 0, "dedupd exits 0 on SIGTERM"
+    assert not ready_file.exists(), "dedupd removes its ready file on exit"
     data.cleanup()
-
-
