@@ -1,5 +1,5 @@
 //! The edge between protobuf and the domain: validation of every request
-//! field against SPEC §1 and the server's [`Limits`] (each problem reported
+//! field against protocol §1 (docs/protocol.md) and the server's [`Limits`] (each problem reported
 //! as a field violation, all at once), and the conversion of outcomes back.
 
 use std::{collections::HashMap, time::Duration};
@@ -28,7 +28,7 @@ const MAX_OWNER_BYTES: usize = 256;
 const MAX_FINGERPRINT_BYTES: usize = 256;
 const MAX_ORDERING_KEY_BYTES: usize = 256;
 
-/// The server's limits (SPEC §2, "Limits").
+/// The server's limits (protocol §5, docs/protocol.md).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Limits {
     /// Lease granted when a request does not say.
@@ -61,7 +61,7 @@ impl Default for Limits {
     }
 }
 
-/// Checks that a namespace is valid as written (SPEC §1); used for config too.
+/// Checks that a namespace is valid as written (protocol §1); used for config too.
 pub fn check_namespace(namespace: &str) -> Result<(), String> {
     if namespace.len() > MAX_NAMESPACE_BYTES {
         return Err(format!(

@@ -1,4 +1,5 @@
-//! The state machine of SPEC §2, as pure functions of (record, request, now).
+//! The state machine of protocol §2 (docs/protocol.md), as pure functions
+//! of (record, request, now).
 //!
 //! Every store runs these same functions inside its atomic read-modify-write
 //! of one key, so no rule exists twice. A function answers with the
@@ -49,7 +50,7 @@ pub fn live_mark(mark: Option<SequenceMark>, now: UnixMillis) -> Option<Sequence
     mark.filter(|mark| now < mark.retain_until)
 }
 
-/// Claim: see the table in SPEC §2. `highest_committed_sequence` is the live
+/// Claim: see the table in protocol §2. `highest_committed_sequence` is the live
 /// mark of the request's ordering scope, if it has one.
 pub fn claim<E>(
     current: Option<&Record>,
@@ -257,7 +258,7 @@ fn held_by(record: Option<&Record>, lease_token: LeaseToken) -> Option<&Record> 
 
 #[cfg(test)]
 mod tests {
-    //! One test per row of the SPEC §2 table, in table order.
+    //! One test per row of the protocol §2 table (docs/protocol.md), in table order.
 
     use std::{convert::Infallible, time::Duration};
 

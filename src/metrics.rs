@@ -70,7 +70,7 @@ impl Default for Metrics {
     }
 }
 
-/// The outcomes counted per namespace (SPEC §7).
+/// The outcomes counted per namespace (protocol §7 (docs/protocol.md)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OutcomeLabel {
     /// A fresh claim.

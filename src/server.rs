@@ -1,7 +1,7 @@
 //! Assembles and runs the servers: the gRPC API (dedup service, health and
 //! reflection) on every listener behind the guard layer, the ops HTTP server,
 //! the maintenance task (reaper and health watch), and the shutdown sequence
-//! of SPEC §7.
+//! of protocol §7 (docs/protocol.md).
 
 use std::{
     future::Future,

@@ -1,6 +1,6 @@
 //! Property tests: random sequences of calls (with time moving) run through
 //! the engine on the in-memory store and on the sled store, and both are
-//! checked against a small independent model of SPEC §2 kept in a BTreeMap.
+//! checked against a small independent model of protocol §2 (docs/protocol.md) kept in a BTreeMap.
 
 use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
@@ -53,7 +53,7 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// The model: SPEC §2 restated as plainly as possible.
+/// The model: protocol §2 (docs/protocol.md) restated as plainly as possible.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum ModelState {
     Claimed,

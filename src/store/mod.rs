@@ -2,7 +2,8 @@
 //! of one key, a fencing-token source that never goes backwards, expiry
 //! (records past `retain_until` are reaped), and durability.
 //!
-//! The rules of SPEC §2 live in [`crate::machine`]; a store only runs the
+//! The rules of protocol §2 (docs/protocol.md) live in [`crate::machine`];
+//! a store only runs the
 //! closure the engine gives it, atomically, and applies the [`Change`] it
 //! returns.
 
