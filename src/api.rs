@@ -8,8 +8,7 @@ use crate::{
     clock::UnixMillis,
     domain::{
         self, ClaimOutcome, CommitOutcome, Key, LeaseLost, LeaseToken, OrderingPosition, Record,
-        RecordState, ReleaseOutcome, DEFAULT_NAMESPACE, MAX_CORRELATION_ID_BYTES,
-        MAX_NAMESPACE_BYTES,
+        ReleaseOutcome, DEFAULT_NAMESPACE, MAX_CORRELATION_ID_BYTES, MAX_NAMESPACE_BYTES,
     },
     error::{Error, FieldViolation},
     proto::v1 as pb,
@@ -426,11 +425,8 @@ pub fn record(key: &Key, record: Record) -> pb::Record {
     pb::Record {
         namespace: key.namespace().to_owned(),
         correlation_id: key.correlation_id().to_owned(),
-        state: match record.state {
-            RecordState::Claimed => pb::RecordState::Claimed,
-            RecordState::Committed => pb::RecordState::Committed,
-            RecordState::Released => pb::RecordState::Released,
-        } as i32,
+        // The API's enum and the domain's share their numbers.
+        state: record.state.code(),
         fencing_token: record.fencing_token.0,
         lease_expires_at: Some(timestamp(record.lease_expires_at)),
         attempt: record.attempt,
@@ -526,5 +522,24 @@ pub fn release_response(outcome: Result<ReleaseOutcome, LeaseLost>) -> pb::Relea
     };
     pb::ReleaseResponse {
         outcome: outcome as i32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::RecordState;
+
+    #[test]
+    fn record_states_keep_the_apis_numbers() {
+        for (state, api) in [
+            (RecordState::Claimed, pb::RecordState::Claimed),
+            (RecordState::Committed, pb::RecordState::Committed),
+            (RecordState::Released, pb::RecordState::Released),
+        ] {
+            assert_eq!(state.code(), api as i32);
+            assert_eq!(RecordState::from_code(api as i32), Some(state));
+        }
+        assert_eq!(RecordState::from_code(0), None);
     }
 }

@@ -15,6 +15,7 @@ use tonic::{
 };
 use tonic_types::StatusExt;
 
+use crate::listen::unix_socket_path;
 use crate::proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient};
 
 /// Exit code of `dedupd claim` for each outcome (0 is CLAIMED).
@@ -338,11 +339,7 @@ pub async fn channel(addr: &str) -> Result<Channel, Status> {
 pub async fn channel_with_tls(addr: &str, tls: Option<ClientTlsConfig>) -> Result<Channel, Status> {
     let unavailable =
         |e: tonic::transport::Error| Status::unavailable(format!("cannot connect to {addr}: {e}"));
-    if let Some(path) = addr
-        .strip_prefix("unix://")
-        .or_else(|| addr.strip_prefix("unix:"))
-    {
-        let path = std::path::PathBuf::from(path);
+    if let Some(path) = unix_socket_path(addr) {
         // The URI is required but unused: the connector dials the socket.
         return Endpoint::from_static("http://localhost")
             .connect_timeout(Duration::from_secs(5))

@@ -157,6 +157,29 @@ pub enum RecordState {
     Released,
 }
 
+impl RecordState {
+    /// The state's number, the same in the API's `RecordState` enum and in
+    /// records at rest (so neither may ever renumber).
+    pub fn code(self) -> i32 {
+        match self {
+            RecordState::Claimed => 1,
+            RecordState::Committed => 2,
+            RecordState::Released => 3,
+        }
+    }
+
+    /// The state numbered `code`, if any.
+    pub fn from_code(code: i32) -> Option<RecordState> {
+        [
+            RecordState::Claimed,
+            RecordState::Committed,
+            RecordState::Released,
+        ]
+        .into_iter()
+        .find(|state| state.code() == code)
+    }
+}
+
 /// An event's position in its ordering key's sequence.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct OrderingPosition {
@@ -290,17 +313,58 @@ pub enum ClaimOutcome {
 }
 
 impl ClaimOutcome {
-    /// The outcome's API name, for logs (which must not carry payloads).
-    pub fn name(&self) -> &'static str {
+    /// What kind of answer this is, for metrics and logs (which must not
+    /// carry payloads).
+    pub fn kind(&self) -> OutcomeKind {
         match self {
             ClaimOutcome::Claimed {
                 recovered: true, ..
-            } => "CLAIMED (recovered)",
-            ClaimOutcome::Claimed { .. } => "CLAIMED",
-            ClaimOutcome::Duplicate { .. } => "DUPLICATE",
-            ClaimOutcome::InProgress { .. } => "IN_PROGRESS",
-            ClaimOutcome::FingerprintMismatch { .. } => "FINGERPRINT_MISMATCH",
-            ClaimOutcome::Stale { .. } => "STALE",
+            } => OutcomeKind::Recovered,
+            ClaimOutcome::Claimed { .. } => OutcomeKind::Claimed,
+            ClaimOutcome::Duplicate { .. } => OutcomeKind::Duplicate,
+            ClaimOutcome::InProgress { .. } => OutcomeKind::InProgress,
+            ClaimOutcome::FingerprintMismatch { .. } => OutcomeKind::FingerprintMismatch,
+            ClaimOutcome::Stale { .. } => OutcomeKind::Stale,
+        }
+    }
+}
+
+/// Every kind of answer the engine counts (protocol §7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutcomeKind {
+    /// A fresh claim.
+    Claimed,
+    /// A claim after an expired lease.
+    Recovered,
+    /// DUPLICATE.
+    Duplicate,
+    /// IN_PROGRESS.
+    InProgress,
+    /// FINGERPRINT_MISMATCH.
+    FingerprintMismatch,
+    /// STALE.
+    Stale,
+    /// COMMITTED (by this call).
+    Committed,
+    /// LEASE_LOST on Commit, Release or Renew.
+    LeaseLost,
+    /// RELEASED (by this call).
+    Released,
+}
+
+impl OutcomeKind {
+    /// The name in metrics labels and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OutcomeKind::Claimed => "claimed",
+            OutcomeKind::Recovered => "recovered",
+            OutcomeKind::Duplicate => "duplicate",
+            OutcomeKind::InProgress => "in_progress",
+            OutcomeKind::FingerprintMismatch => "fingerprint_mismatch",
+            OutcomeKind::Stale => "stale",
+            OutcomeKind::Committed => "committed",
+            OutcomeKind::LeaseLost => "lease_lost",
+            OutcomeKind::Released => "released",
         }
     }
 }

@@ -2,17 +2,17 @@
 //! store and waits for durability before answering. Handlers for every face
 //! (gRPC today) call only this.
 
-use std::{fmt, sync::Arc};
+use std::{fmt, future::Future, sync::Arc};
 
 use crate::{
     clock::{Clock, UnixMillis},
     domain::{
         ClaimOutcome, ClaimRequest, CommitOutcome, CommitRequest, Key, LeaseLost, LeaseToken,
-        OrderingScope, Record, ReleaseOutcome, ReleaseRequest, RenewRequest,
+        OrderingScope, OutcomeKind, Record, ReleaseOutcome, ReleaseRequest, RenewRequest,
     },
     error::Error,
     machine,
-    metrics::{Metrics, OutcomeLabel},
+    metrics::Metrics,
     store::Store,
 };
 
@@ -80,12 +80,7 @@ impl<S: Store> Engine<S> {
 
     /// Claim many keys, in order, with one wait for durability.
     pub async fn claim_batch(&self, requests: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, Error> {
-        let mut outcomes = Vec::with_capacity(requests.len());
-        for request in requests {
-            outcomes.push(self.claim_unsynced(request).await?);
-        }
-        self.store.durable().await?;
-        Ok(outcomes)
+        self.in_order(requests).await
     }
 
     /// Commit one claim; a lost lease is an error.
@@ -101,12 +96,7 @@ impl<S: Store> Engine<S> {
         &self,
         requests: &[CommitRequest],
     ) -> Result<Vec<Result<CommitOutcome, LeaseLost>>, Error> {
-        let mut outcomes = Vec::with_capacity(requests.len());
-        for request in requests {
-            outcomes.push(self.commit_unsynced(request).await?);
-        }
-        self.store.durable().await?;
-        Ok(outcomes)
+        self.in_order(requests).await
     }
 
     /// Release one claim; a lost lease is an error.
@@ -121,9 +111,15 @@ impl<S: Store> Engine<S> {
         &self,
         requests: &[ReleaseRequest],
     ) -> Result<Vec<Result<ReleaseOutcome, LeaseLost>>, Error> {
+        self.in_order(requests).await
+    }
+
+    /// Applies `requests` one after the other (a batch's items apply in
+    /// order), then waits once for durability: one disk sync for the batch.
+    async fn in_order<R: Step>(&self, requests: &[R]) -> Result<Vec<R::Outcome>, Error> {
         let mut outcomes = Vec::with_capacity(requests.len());
         for request in requests {
-            outcomes.push(self.release_unsynced(request).await?);
+            outcomes.push(request.apply(self).await?);
         }
         self.store.durable().await?;
         Ok(outcomes)
@@ -139,7 +135,7 @@ impl<S: Store> Engine<S> {
             })
             .await?;
         if outcome.is_err() {
-            self.count(&request.key, OutcomeLabel::LeaseLost);
+            self.count(&request.key, OutcomeKind::LeaseLost);
         }
         self.store.durable().await?;
         outcome.map_err(|LeaseLost| lease_lost(&request.key))
@@ -192,21 +188,11 @@ impl<S: Store> Engine<S> {
                 )
             })
             .await?;
-        let label = match &outcome {
-            ClaimOutcome::Claimed {
-                recovered: true, ..
-            } => OutcomeLabel::Recovered,
-            ClaimOutcome::Claimed { .. } => OutcomeLabel::Claimed,
-            ClaimOutcome::Duplicate { .. } => OutcomeLabel::Duplicate,
-            ClaimOutcome::InProgress { .. } => OutcomeLabel::InProgress,
-            ClaimOutcome::FingerprintMismatch { .. } => OutcomeLabel::FingerprintMismatch,
-            ClaimOutcome::Stale { .. } => OutcomeLabel::Stale,
-        };
-        self.count(&request.key, label);
+        self.count(&request.key, outcome.kind());
         Ok(outcome)
     }
 
-    fn count(&self, key: &Key, outcome: OutcomeLabel) {
+    fn count(&self, key: &Key, outcome: OutcomeKind) {
         self.metrics.outcome(key.namespace(), outcome);
     }
 
@@ -222,9 +208,9 @@ impl<S: Store> Engine<S> {
             })
             .await?;
         match &outcome {
-            Ok(CommitOutcome::Committed(_)) => self.count(&request.key, OutcomeLabel::Committed),
+            Ok(CommitOutcome::Committed(_)) => self.count(&request.key, OutcomeKind::Committed),
             Ok(CommitOutcome::AlreadyCommitted(_)) => {}
-            Err(LeaseLost) => self.count(&request.key, OutcomeLabel::LeaseLost),
+            Err(LeaseLost) => self.count(&request.key, OutcomeKind::LeaseLost),
         }
         if let Ok(committed) = &outcome {
             // Also on ALREADY_COMMITTED: if we crashed between the record and
@@ -247,9 +233,9 @@ impl<S: Store> Engine<S> {
             })
             .await?;
         match outcome {
-            Ok(ReleaseOutcome::Released) => self.count(&request.key, OutcomeLabel::Released),
+            Ok(ReleaseOutcome::Released) => self.count(&request.key, OutcomeKind::Released),
             Ok(ReleaseOutcome::AlreadyReleased | ReleaseOutcome::NotFound) => {}
-            Err(LeaseLost) => self.count(&request.key, OutcomeLabel::LeaseLost),
+            Err(LeaseLost) => self.count(&request.key, OutcomeKind::LeaseLost),
         }
         Ok(outcome)
     }
@@ -272,6 +258,45 @@ impl<S: Store> Engine<S> {
                 machine::raise_mark(current, committed, now)
             })
             .await
+    }
+}
+
+/// A request that a batch applies without waiting for durability.
+trait Step: Sync {
+    type Outcome: Send;
+    fn apply<S: Store>(
+        &self,
+        engine: &Engine<S>,
+    ) -> impl Future<Output = Result<Self::Outcome, Error>> + Send;
+}
+
+impl Step for ClaimRequest {
+    type Outcome = ClaimOutcome;
+    fn apply<S: Store>(
+        &self,
+        engine: &Engine<S>,
+    ) -> impl Future<Output = Result<ClaimOutcome, Error>> + Send {
+        engine.claim_unsynced(self)
+    }
+}
+
+impl Step for CommitRequest {
+    type Outcome = Result<CommitOutcome, LeaseLost>;
+    fn apply<S: Store>(
+        &self,
+        engine: &Engine<S>,
+    ) -> impl Future<Output = Result<Self::Outcome, Error>> + Send {
+        engine.commit_unsynced(self)
+    }
+}
+
+impl Step for ReleaseRequest {
+    type Outcome = Result<ReleaseOutcome, LeaseLost>;
+    fn apply<S: Store>(
+        &self,
+        engine: &Engine<S>,
+    ) -> impl Future<Output = Result<Self::Outcome, Error>> + Send {
+        engine.release_unsynced(self)
     }
 }
 

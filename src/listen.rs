@@ -20,15 +20,21 @@ pub enum ListenAddr {
     Unix(PathBuf),
 }
 
+/// The socket path of a `unix:///path` (or `unix:/path`) address; `None`
+/// for anything else. Shared by the server's `--listen` and the client's
+/// `--addr`.
+pub(crate) fn unix_socket_path(address: &str) -> Option<PathBuf> {
+    address
+        .strip_prefix("unix://")
+        .or_else(|| address.strip_prefix("unix:"))
+        .map(PathBuf::from)
+}
+
 impl FromStr for ListenAddr {
     type Err = String;
 
     fn from_str(text: &str) -> Result<Self, Self::Err> {
-        if let Some(path) = text
-            .strip_prefix("unix://")
-            .or_else(|| text.strip_prefix("unix:"))
-        {
-            let path = PathBuf::from(path);
+        if let Some(path) = unix_socket_path(text) {
             if !path.is_absolute() {
                 return Err(format!(
                     "{text:?}: the socket path must be absolute (unix:///path)"

@@ -4,7 +4,7 @@
 
 use std::{collections::HashSet, fmt, sync::Mutex, time::Duration};
 
-use crate::store::CommitObserver;
+use crate::{domain::OutcomeKind, store::CommitObserver};
 use prometheus_client::{
     encoding::{text::encode, EncodeLabelSet},
     metrics::{
@@ -67,45 +67,6 @@ impl CommitObserver for Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Metrics::new()
-    }
-}
-
-/// The outcomes counted per namespace (protocol §7 (docs/protocol.md)).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OutcomeLabel {
-    /// A fresh claim.
-    Claimed,
-    /// A claim after an expired lease.
-    Recovered,
-    /// DUPLICATE.
-    Duplicate,
-    /// IN_PROGRESS.
-    InProgress,
-    /// FINGERPRINT_MISMATCH.
-    FingerprintMismatch,
-    /// STALE.
-    Stale,
-    /// COMMITTED (by this call).
-    Committed,
-    /// LEASE_LOST on Commit, Release or Renew.
-    LeaseLost,
-    /// RELEASED (by this call).
-    Released,
-}
-
-impl OutcomeLabel {
-    fn as_str(self) -> &'static str {
-        match self {
-            OutcomeLabel::Claimed => "claimed",
-            OutcomeLabel::Recovered => "recovered",
-            OutcomeLabel::Duplicate => "duplicate",
-            OutcomeLabel::InProgress => "in_progress",
-            OutcomeLabel::FingerprintMismatch => "fingerprint_mismatch",
-            OutcomeLabel::Stale => "stale",
-            OutcomeLabel::Committed => "committed",
-            OutcomeLabel::LeaseLost => "lease_lost",
-            OutcomeLabel::Released => "released",
-        }
     }
 }
 
@@ -174,7 +135,7 @@ impl Metrics {
     }
 
     /// Counts one answer in `namespace`.
-    pub fn outcome(&self, namespace: &str, outcome: OutcomeLabel) {
+    pub fn outcome(&self, namespace: &str, outcome: OutcomeKind) {
         let namespace = {
             let mut seen = self.namespaces.lock().expect("metrics lock poisoned");
             if seen.contains(namespace) {

@@ -35,7 +35,7 @@ impl<S: Store> ClaimAndCommit for DedupService<S> {
     async fn claim(&self, request: Request<pb::ClaimRequest>) -> Answer<pb::ClaimResponse> {
         let claim = self.limits.claim(request.into_inner())?;
         let outcome = self.engine.claim(&claim).await?;
-        tracing::debug!(key = %claim.key, outcome = outcome.name(), "claim");
+        tracing::debug!(key = %claim.key, outcome = outcome.kind().as_str(), "claim");
         Ok(Response::new(api::claim_response(&claim.key, outcome)))
     }
 

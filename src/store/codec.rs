@@ -51,18 +51,10 @@ struct StoredRecord {
     sequence: u64,
 }
 
-const CLAIMED: i32 = 1;
-const COMMITTED: i32 = 2;
-const RELEASED: i32 = 3;
-
 /// Encodes a record.
 pub fn encode_record(record: &Record) -> Vec<u8> {
     let stored = StoredRecord {
-        state: match record.state {
-            RecordState::Claimed => CLAIMED,
-            RecordState::Committed => COMMITTED,
-            RecordState::Released => RELEASED,
-        },
+        state: record.state.code(),
         lease_token_high: (record.lease_token.0 >> 64) as u64,
         lease_token_low: record.lease_token.0 as u64,
         fencing_token: record.fencing_token.0,
@@ -86,12 +78,8 @@ pub fn encode_record(record: &Record) -> Vec<u8> {
 /// Decodes a record written by [`encode_record`].
 pub fn decode_record(bytes: &[u8]) -> Result<Record, Error> {
     let stored = StoredRecord::decode(bytes).map_err(|e| Error::Corrupt(format!("record: {e}")))?;
-    let state = match stored.state {
-        CLAIMED => RecordState::Claimed,
-        COMMITTED => RecordState::Committed,
-        RELEASED => RecordState::Released,
-        other => return Err(Error::Corrupt(format!("record: unknown state {other}"))),
-    };
+    let state = RecordState::from_code(stored.state)
+        .ok_or_else(|| Error::Corrupt(format!("record: unknown state {}", stored.state)))?;
     let sequence = stored.sequence;
     Ok(Record {
         state,
