@@ -1,16 +1,18 @@
 # syntax=docker/dockerfile:1
 # dedupd: a small, non-root image. The build stage runs exactly the build CI
-# runs (`cargo build --release --locked` with the toolchain pinned in
-# rust-toolchain.toml), so the binary in the image is the one CI tested.
+# runs (`cargo build --release --locked -p dedupd`, toolchain pinned in
+# rust-toolchain.toml), so the binary in the image is the one CI tested. The
+# image carries only the sidecar: the benchmark tool is not built into it.
 
 FROM rust:1.95.0-slim-bookworm AS build
 WORKDIR /src
-# Dependencies first, so source changes do not refetch them.
-COPY Cargo.toml Cargo.lock rust-toolchain.toml build.rs ./
-COPY proto ./proto
-COPY src ./src
-COPY benches ./benches
-RUN cargo build --release --locked \
+COPY . .
+# BuildKit cache mounts keep the crate registry and the target directory
+# between builds, so a source change recompiles dedupd, not its dependencies.
+RUN --mount=type=cache,target=/usr/local/cargo/registry \
+    --mount=type=cache,target=/usr/local/cargo/git \
+    --mount=type=cache,target=/src/target \
+    cargo build --release --locked -p dedupd \
  && install -D -m 0755 target/release/dedupd /out/dedupd \
  && mkdir -p /out/data
 
@@ -21,11 +23,16 @@ COPY --from=build --chown=65532:65532 /out/data /var/lib/dedupd
 USER 65532:65532
 # The root filesystem can be read-only: dedupd writes only to its data dir.
 VOLUME ["/var/lib/dedupd"]
+# The sidecar shape: gRPC on the pod's loopback only (no credentials needed;
+# add a unix:// socket for the app, or a token or mTLS before listening
+# beyond loopback: dedupd refuses that otherwise). The ops port serves
+# /readyz and /healthz to the kubelet, which probes the pod IP.
 ENV DEDUPD_DATA_DIR=/var/lib/dedupd \
-    DEDUPD_LISTEN=0.0.0.0:50051 \
+    DEDUPD_LISTEN=127.0.0.1:50051 \
     DEDUPD_METRICS_LISTEN=0.0.0.0:9090 \
     DEDUPD_LOG_FORMAT=json
-EXPOSE 50051 9090
+EXPOSE 9090
+# /readyz is plain HTTP whatever TLS the gRPC port speaks.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
-  CMD ["/usr/local/bin/dedupd", "health", "--addr", "127.0.0.1:50051"]
+  CMD ["/usr/local/bin/dedupd", "health", "--readyz", "127.0.0.1:9090"]
 ENTRYPOINT ["/usr/local/bin/dedupd"]

@@ -166,14 +166,17 @@ pub enum ClientCommand {
         /// The correlation ID.
         correlation_id: String,
     },
-    /// Ask the sidecar's gRPC health service; exits 0 only when SERVING
-    /// (the image's HEALTHCHECK).
+    /// Ask the sidecar's gRPC health service; exits 0 only when SERVING.
     Health {
         #[command(flatten)]
         connection: Connection,
         /// The service to ask about (empty: the whole server).
         #[arg(long, default_value = "dedup.v1.ClaimAndCommit")]
         service: String,
+        /// Ask `GET /readyz` on this ops address (HOST:PORT) instead: plain
+        /// HTTP whatever TLS the gRPC port speaks (the image's HEALTHCHECK).
+        #[arg(long, conflicts_with = "service")]
+        readyz: Option<std::net::SocketAddr>,
     },
 }
 
@@ -201,6 +204,13 @@ pub async fn run(command: ClientCommand) -> i32 {
 }
 
 async fn call(command: ClientCommand, connection: &Connection) -> Result<(i32, Value), Status> {
+    if let ClientCommand::Health {
+        readyz: Some(address),
+        ..
+    } = &command
+    {
+        return readyz(*address).await;
+    }
     let channel = channel_with_tls(&connection.addr, connection.tls()?).await?;
     if let ClientCommand::Health { service, .. } = &command {
         return health(channel, service).await;
@@ -415,6 +425,39 @@ async fn health(channel: Channel, service: &str) -> Result<(i32, Value), Status>
         exit_code::ERROR
     };
     Ok((code, json!({ "status": status.as_str_name() })))
+}
+
+/// `GET /readyz` on the ops port: 200 is ready.
+async fn readyz(address: std::net::SocketAddr) -> Result<(i32, Value), Status> {
+    let unavailable = |e: &dyn std::fmt::Display| Status::unavailable(format!("{address}: {e}"));
+    let exchange = async {
+        let stream = tokio::net::TcpStream::connect(address)
+            .await
+            .map_err(|e| unavailable(&e))?;
+        let (mut sender, connection) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .map_err(|e| unavailable(&e))?;
+        tokio::spawn(connection);
+        let request = http::Request::get("/readyz")
+            .header(http::header::HOST, address.to_string())
+            .body(http_body_util::Empty::<bytes::Bytes>::new())
+            .map_err(|e| Status::internal(e.to_string()))?;
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(|e| unavailable(&e))?;
+        Ok::<_, Status>(response.status())
+    };
+    let status = tokio::time::timeout(Duration::from_secs(5), exchange)
+        .await
+        .map_err(|_| unavailable(&"no answer within 5s"))??;
+    let code = if status == http::StatusCode::OK {
+        0
+    } else {
+        exit_code::ERROR
+    };
+    Ok((code, json!({ "readyz": status.as_u16() })))
 }
 
 fn claim_answer(answer: &pb::ClaimResponse) -> (i32, Value) {

@@ -632,7 +632,7 @@ async fn one_mebibyte_responses_survive_a_restart() {
             .await
             .unwrap();
     }
-    let blobs = std::fs::read_dir(server.dir.path().join("blobs"))
+    let blobs = std::fs::read_dir(server.dir.path().join("data").join("blobs"))
         .unwrap()
         .count();
     assert!(blobs > 0, "the test must exercise sled's blob files");

@@ -417,6 +417,36 @@ fn non_loopback_listen_starts_with_a_token_or_explicit_consent() {
     }
 }
 
+/// `dedupd health --readyz` (the image's HEALTHCHECK) asks the ops port over
+/// plain HTTP: 0 while ready, 1 once nothing answers.
+#[test]
+fn health_readyz_asks_the_ops_port() {
+    let dir = tempfile::tempdir().unwrap();
+    let sidecar = Sidecar::start(dir.path());
+    let ready: Value = serde_json::from_str(
+        &std::fs::read_to_string(sidecar.ready_dir.path().join("ready.json")).unwrap(),
+    )
+    .unwrap();
+    let metrics = ready["metrics"]
+        .as_str()
+        .expect("an ops address")
+        .to_owned();
+    let health = |address: &str| {
+        let output = Command::new(BINARY)
+            .args(["health", "--readyz", address])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        (output.status.code(), stdout)
+    };
+    let (code, stdout) = health(&metrics);
+    assert_eq!(code, Some(0), "{stdout}");
+    assert!(stdout.contains("200"), "{stdout}");
+    sidecar.kill_9();
+    let (code, stdout) = health(&metrics);
+    assert_eq!(code, Some(1), "{stdout}");
+}
+
 fn cli(addr: SocketAddr, args: &[&str]) -> (i32, String, String) {
     let output = Command::new(BINARY)
         .args(args)

@@ -1,6 +1,6 @@
-//! The byte form of records and ordering marks at rest, shared by the stores
-//! that keep opaque values (sled, Redis). Records are protobuf messages so
-//! new fields can be added without rewriting old data.
+//! The byte form of records and ordering marks at rest in the sled store.
+//! Records are protobuf messages so new fields can be added without
+//! rewriting old data.
 
 use std::time::Duration;
 
