@@ -16,6 +16,7 @@ use tonic::{
 use tonic_types::StatusExt;
 
 use crate::listen::unix_socket_path;
+use crate::proto::v1::claim_and_commit_server::SERVICE_NAME;
 use crate::proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient};
 
 /// Exit code of `dedupd claim` for each outcome (0 is CLAIMED).
@@ -171,7 +172,7 @@ pub enum ClientCommand {
         #[command(flatten)]
         connection: Connection,
         /// The service to ask about (empty: the whole server).
-        #[arg(long, default_value = "dedup.v1.ClaimAndCommit")]
+        #[arg(long, default_value = SERVICE_NAME)]
         service: String,
         /// Ask `GET /readyz` on this ops address (HOST:PORT) instead: plain
         /// HTTP whatever TLS the gRPC port speaks (the image's HEALTHCHECK).

@@ -73,9 +73,7 @@ impl<S: Store> Engine<S> {
 
     /// Claim one key.
     pub async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, Error> {
-        let outcome = self.claim_unsynced(request).await?;
-        self.store.durable().await?;
-        Ok(outcome)
+        self.durably(request).await
     }
 
     /// Claim many keys, in order, with one wait for durability.
@@ -85,9 +83,9 @@ impl<S: Store> Engine<S> {
 
     /// Commit one claim; a lost lease is an error.
     pub async fn commit(&self, request: &CommitRequest) -> Result<CommitOutcome, Error> {
-        let outcome = self.commit_unsynced(request).await?;
-        self.store.durable().await?;
-        outcome.map_err(|LeaseLost| lease_lost(&request.key))
+        self.durably(request)
+            .await?
+            .map_err(|LeaseLost| lease_lost(&request.key))
     }
 
     /// Commit many claims, in order, with one wait for durability; a lost
@@ -101,9 +99,9 @@ impl<S: Store> Engine<S> {
 
     /// Release one claim; a lost lease is an error.
     pub async fn release(&self, request: &ReleaseRequest) -> Result<ReleaseOutcome, Error> {
-        let outcome = self.release_unsynced(request).await?;
-        self.store.durable().await?;
-        outcome.map_err(|LeaseLost| lease_lost(&request.key))
+        self.durably(request)
+            .await?
+            .map_err(|LeaseLost| lease_lost(&request.key))
     }
 
     /// Release many claims, in order, with one wait for durability.
@@ -112,6 +110,13 @@ impl<S: Store> Engine<S> {
         requests: &[ReleaseRequest],
     ) -> Result<Vec<Result<ReleaseOutcome, LeaseLost>>, Error> {
         self.in_order(requests).await
+    }
+
+    /// Applies one request and waits until its change is durable.
+    async fn durably<R: Step>(&self, request: &R) -> Result<R::Outcome, Error> {
+        let outcome = request.apply(self).await?;
+        self.store.durable().await?;
+        Ok(outcome)
     }
 
     /// Applies `requests` one after the other (a batch's items apply in

@@ -220,10 +220,13 @@ where
     let limit = config.max_concurrent_requests;
     let timeout = config.request_timeout;
     let stack = ServiceBuilder::new()
-        .layer_fn(|inner| Answer {
+        .layer_fn(|inner| RpcTimer {
             inner,
             metrics: Arc::clone(&metrics),
-            refusals: Refusals { limit, timeout },
+        })
+        .layer_fn(|inner| Refuse {
+            inner,
+            limits: Limits { limit, timeout },
             not_ready: None,
         })
         .layer(LoadShedLayer::new())
@@ -236,28 +239,51 @@ where
     Guarded(BoxCloneSyncService::new(stack))
 }
 
-/// The outermost layer: times every call (refusals included) and answers
-/// the stack's refusals as gRPC statuses a client can act on; the dedup
-/// service itself never fails (its errors are already statuses).
+type AnswerFuture = Pin<Box<dyn Future<Output = Result<http::Response<Body>, Infallible>> + Send>>;
+
+/// The metrics layer: times every call of the dedup service, refusals
+/// included, under a label from the fixed method list.
 #[derive(Clone)]
-struct Answer<S> {
+struct RpcTimer<S> {
     inner: S,
     metrics: Arc<Metrics>,
-    refusals: Refusals,
-    /// A readiness error, answered to the next call instead of failing the
-    /// connection.
-    not_ready: Option<Arc<BoxError>>,
+}
+
+impl<S> Service<http::Request<Body>> for RpcTimer<S>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = AnswerFuture;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> AnswerFuture {
+        let rpc = rpc_label(request.uri().path());
+        let metrics = Arc::clone(&self.metrics);
+        let started = Instant::now();
+        let answer = self.inner.call(request);
+        Box::pin(async move {
+            let answer = answer.await;
+            metrics.rpc(rpc, started.elapsed());
+            answer
+        })
+    }
 }
 
 /// The limits a refusal names, so the client learns which one it hit.
 #[derive(Debug, Clone, Copy)]
-struct Refusals {
+struct Limits {
     limit: usize,
     timeout: Duration,
 }
 
-impl Refusals {
-    fn answer(self, error: &BoxError) -> http::Response<Body> {
+impl Limits {
+    fn refusal(self, error: &BoxError) -> http::Response<Body> {
         let status = if error.is::<tower::load_shed::error::Overloaded>() {
             Status::resource_exhausted(format!(
                 "overloaded: {} calls in progress (--max-concurrent-requests); retry with backoff",
@@ -276,9 +302,19 @@ impl Refusals {
     }
 }
 
-type AnswerFuture = Pin<Box<dyn Future<Output = Result<http::Response<Body>, Infallible>> + Send>>;
+/// Answers the refusals of tower's layers (load shed, timeout) as gRPC
+/// statuses a client can act on; the dedup service itself never fails (its
+/// errors are already statuses), so nothing reaches the connection.
+#[derive(Clone)]
+struct Refuse<S> {
+    inner: S,
+    limits: Limits,
+    /// A readiness error, answered to the next call instead of failing the
+    /// connection.
+    not_ready: Option<Arc<BoxError>>,
+}
 
-impl<S> Service<http::Request<Body>> for Answer<S>
+impl<S> Service<http::Request<Body>> for Refuse<S>
 where
     S: Service<http::Request<Body>, Response = http::Response<Body>, Error = BoxError>,
     S::Future: Send + 'static,
@@ -299,20 +335,12 @@ where
     }
 
     fn call(&mut self, request: http::Request<Body>) -> AnswerFuture {
-        let rpc = rpc_label(request.uri().path());
-        let started = Instant::now();
+        let limits = self.limits;
         if let Some(error) = self.not_ready.take() {
-            let answer = self.refusals.answer(&error);
-            self.metrics.rpc(rpc, started.elapsed());
-            return Box::pin(std::future::ready(Ok(answer)));
+            return Box::pin(std::future::ready(Ok(limits.refusal(&error))));
         }
         let answer = self.inner.call(request);
-        let (metrics, refusals) = (Arc::clone(&self.metrics), self.refusals);
-        Box::pin(async move {
-            let answer = answer.await.unwrap_or_else(|error| refusals.answer(&error));
-            metrics.rpc(rpc, started.elapsed());
-            Ok(answer)
-        })
+        Box::pin(async move { Ok(answer.await.unwrap_or_else(|error| limits.refusal(&error))) })
     }
 }
 
