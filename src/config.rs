@@ -345,6 +345,15 @@ impl ServeArgs {
                 }
             }
         }
+        if let Some(ready_file) = &self.ready_file {
+            let parent = ready_file.parent().filter(|p| !p.as_os_str().is_empty());
+            if parent.is_some_and(|parent| !parent.is_dir()) || ready_file.is_dir() {
+                return Err(format!(
+                    "--ready-file {}: not a file in an existing directory",
+                    ready_file.display()
+                ));
+            }
+        }
         let auth = self.auth();
         let tls = self.tls()?;
         self.check_exposure(&auth, tls.as_ref())?;

@@ -369,6 +369,11 @@ fn bad_configuration_exits_64_with_one_line_before_touching_anything() {
             vec![],
             "no caller is authenticated",
         ),
+        (
+            vec!["--ready-file", "/no/such/dir/ready.json"],
+            vec![],
+            "--ready-file",
+        ),
         // There is one store until the shared ones exist: no stub flag.
         (vec!["--store", "sled"], vec![], "--store"),
     ];
