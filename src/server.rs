@@ -81,6 +81,16 @@ impl Default for ServerConfig {
     }
 }
 
+/// A multi-threaded tokio runtime with `worker_threads` workers (0: one per
+/// CPU), I/O and time enabled: what the sidecar and the benchmark run on.
+pub fn runtime(worker_threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if worker_threads > 0 {
+        runtime.worker_threads(worker_threads);
+    }
+    runtime.enable_all().build()
+}
+
 /// The bound sockets `run` serves on.
 #[derive(Debug)]
 pub struct Listeners {

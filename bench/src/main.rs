@@ -62,11 +62,7 @@ fn main() -> ExitCode {
 }
 
 fn runtime(worker_threads: usize) -> Result<tokio::runtime::Runtime, ExitCode> {
-    let mut runtime = tokio::runtime::Builder::new_multi_thread();
-    if worker_threads > 0 {
-        runtime.worker_threads(worker_threads);
-    }
-    runtime.enable_all().build().map_err(|error| {
+    dedupd::server::runtime(worker_threads).map_err(|error| {
         eprintln!("dedupd-bench: cannot start the runtime: {error}");
         ExitCode::FAILURE
     })
