@@ -77,20 +77,84 @@ pub fn check_namespace(namespace: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Checks that a duration is positive and at most `max`; used for config
-/// too, so a flag and a request field are held to the same words.
+/// The shortest duration dedupd can keep: records count time in whole
+/// milliseconds, so anything shorter would become zero.
+pub const MIN_DURATION: Duration = Duration::from_millis(1);
+
+/// Checks that a duration is at least [`MIN_DURATION`] and at most `max`;
+/// used for config too, so a flag and a request field are held to the same
+/// words.
 pub fn check_duration(duration: Duration, max: Duration) -> Result<Duration, String> {
     if duration.is_zero() {
         Err("must be positive".into())
+    } else if duration < MIN_DURATION {
+        Err(format!(
+            "must be at least 1ms (dedupd keeps time in milliseconds), got {}",
+            human_duration(duration)
+        ))
     } else if duration > max {
         Err(format!(
             "must be at most {}, got {}",
-            humantime::format_duration(max),
-            humantime::format_duration(duration)
+            human_duration(max),
+            human_duration(duration)
         ))
     } else {
         Ok(duration)
     }
+}
+
+/// A duration the way a person writes it in a flag: the largest unit that
+/// divides it exactly (`365days`, `1h`, `90m`, `30s`, `1500ms`), so limits
+/// print as they were given and not as "11months 30days 3h 50m 24s".
+pub fn human_duration(duration: Duration) -> String {
+    const UNITS: [(&str, u128); 4] = [
+        ("days", 86_400_000_000_000),
+        ("h", 3_600_000_000_000),
+        ("m", 60_000_000_000),
+        ("s", 1_000_000_000),
+    ];
+    let nanos = duration.as_nanos();
+    if nanos == 0 {
+        return "0s".into();
+    }
+    for (unit, size) in UNITS {
+        if nanos % size == 0 {
+            return format!("{}{unit}", nanos / size);
+        }
+    }
+    if nanos % 1_000_000 == 0 {
+        format!("{}ms", nanos / 1_000_000)
+    } else if nanos % 1_000 == 0 {
+        format!("{}us", nanos / 1_000)
+    } else {
+        format!("{nanos}ns")
+    }
+}
+
+/// The largest `seconds` a `google.protobuf.Duration` may hold (10,000 years).
+const MAX_PROTO_DURATION_SECONDS: i64 = 315_576_000_000;
+
+/// A `google.protobuf.Duration` as its definition allows it: `nanos` within
+/// ±999,999,999 with the sign of `seconds`, `seconds` within ±10,000 years.
+/// prost would normalise anything else silently; a malformed value is a
+/// client bug worth naming.
+fn proto_duration(value: &prost_types::Duration) -> Result<Duration, String> {
+    let prost_types::Duration { seconds, nanos } = *value;
+    if !(-999_999_999..=999_999_999).contains(&nanos)
+        || (seconds > 0 && nanos < 0)
+        || (seconds < 0 && nanos > 0)
+        || !(-MAX_PROTO_DURATION_SECONDS..=MAX_PROTO_DURATION_SECONDS).contains(&seconds)
+    {
+        return Err(format!(
+            "is not a valid google.protobuf.Duration (seconds {seconds}, nanos {nanos}: nanos must be within ±999999999 and have the sign of seconds)"
+        ));
+    }
+    if seconds < 0 || nanos < 0 {
+        return Err("must be positive".into());
+    }
+    let seconds = u64::try_from(seconds).map_err(|_| "must be positive".to_owned())?;
+    let nanos = u32::try_from(nanos).map_err(|_| "must be positive".to_owned())?;
+    Ok(Duration::new(seconds, nanos))
 }
 
 /// Collects every violation of one request before answering.
@@ -175,12 +239,8 @@ impl<'a> Checker<'a> {
         value: Option<&prost_types::Duration>,
         max: Duration,
     ) -> Option<Duration> {
-        let value = value?;
-        let Ok(duration) = Duration::try_from(*value) else {
-            self.violation(field, "must be a positive duration");
-            return None;
-        };
-        check_duration(duration, max)
+        proto_duration(value?)
+            .and_then(|duration| check_duration(duration, max))
             .map_err(|problem| self.violation(field, problem))
             .ok()
     }
@@ -529,6 +589,49 @@ pub fn release_response(outcome: Result<ReleaseOutcome, LeaseLost>) -> pb::Relea
 mod tests {
     use super::*;
     use crate::domain::RecordState;
+
+    #[test]
+    fn limits_print_the_way_flags_are_written() {
+        for (duration, text) in [
+            (Duration::from_secs(365 * 86_400), "365days"),
+            (Duration::from_secs(7 * 86_400), "7days"),
+            (Duration::from_secs(3600), "1h"),
+            (Duration::from_secs(90 * 60), "90m"),
+            (Duration::from_secs(30), "30s"),
+            (Duration::from_millis(1500), "1500ms"),
+            (Duration::from_micros(500), "500us"),
+            (Duration::from_nanos(1), "1ns"),
+        ] {
+            assert_eq!(human_duration(duration), text);
+        }
+    }
+
+    #[test]
+    fn durations_below_a_millisecond_or_malformed_are_refused() {
+        let max = Duration::from_secs(3600);
+        assert!(check_duration(Duration::from_nanos(1), max)
+            .unwrap_err()
+            .contains("at least 1ms"));
+        assert!(check_duration(Duration::from_micros(999), max).is_err());
+        assert_eq!(
+            check_duration(MIN_DURATION, max),
+            Ok(Duration::from_millis(1))
+        );
+        assert_eq!(
+            check_duration(Duration::from_secs(7200), max),
+            Err("must be at most 1h, got 2h".into())
+        );
+        let proto = |seconds, nanos| proto_duration(&prost_types::Duration { seconds, nanos });
+        assert_eq!(proto(1, 500_000_000), Ok(Duration::from_millis(1500)));
+        for (seconds, nanos) in [(1, -1), (-1, 1), (0, 1_000_000_000), (0, -1_000_000_000)] {
+            assert!(
+                proto(seconds, nanos).unwrap_err().contains("not a valid"),
+                "{seconds} {nanos}"
+            );
+        }
+        assert_eq!(proto(-5, 0), Err("must be positive".into()));
+        assert!(proto(i64::MAX, 0).unwrap_err().contains("not a valid"));
+    }
 
     #[test]
     fn record_states_keep_the_apis_numbers() {

@@ -292,7 +292,7 @@ impl Limits {
         } else if error.is::<tower::timeout::error::Elapsed>() {
             Status::unavailable(format!(
                 "no answer within {} (--request-timeout); the change may or may not have been applied: retry",
-                humantime::format_duration(self.timeout)
+                crate::api::human_duration(self.timeout)
             ))
         } else {
             tracing::error!(%error, "guard stack failed");

@@ -374,6 +374,13 @@ fn bad_configuration_exits_64_with_one_line_before_touching_anything() {
             vec![],
             "--ready-file",
         ),
+        // Limits print the way flags are written.
+        (
+            vec!["--default-retention", "400days"],
+            vec![],
+            "must be at most 365days, got 400days",
+        ),
+        (vec!["--default-lease-ttl", "500us"], vec![], "at least 1ms"),
         // There is one store until the shared ones exist: no stub flag.
         (vec!["--store", "sled"], vec![], "--store"),
     ];

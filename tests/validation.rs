@@ -71,6 +71,48 @@ async fn malformed_claims_name_every_bad_field() {
             },
             vec!["retention"],
         ),
+        // Below a millisecond would become zero: the record would vanish.
+        (
+            pb::ClaimRequest {
+                lease_ttl: Some(prost_types::Duration {
+                    seconds: 0,
+                    nanos: 1,
+                }),
+                ..claim_request("ok")
+            },
+            vec!["lease_ttl"],
+        ),
+        (
+            pb::ClaimRequest {
+                retention: Some(prost_types::Duration {
+                    seconds: 0,
+                    nanos: 999_999,
+                }),
+                ..claim_request("ok")
+            },
+            vec!["retention"],
+        ),
+        // Malformed google.protobuf.Durations, which prost would normalise.
+        (
+            pb::ClaimRequest {
+                lease_ttl: Some(prost_types::Duration {
+                    seconds: 30,
+                    nanos: -1,
+                }),
+                ..claim_request("ok")
+            },
+            vec!["lease_ttl"],
+        ),
+        (
+            pb::ClaimRequest {
+                lease_ttl: Some(prost_types::Duration {
+                    seconds: 1,
+                    nanos: 1_000_000_000,
+                }),
+                ..claim_request("ok")
+            },
+            vec!["lease_ttl"],
+        ),
         (
             pb::ClaimRequest {
                 ordering_key: "entity-1".into(),
@@ -255,6 +297,37 @@ async fn health_is_serving_and_reflection_lists_the_service() {
     assert!(
         names.contains(&"grpc.health.v1.Health".to_string()),
         "{names:?}"
+    );
+    server.stop().await.unwrap();
+}
+
+/// A retention below a millisecond used to be truncated to zero: the commit
+/// vanished at once and the redelivery was CLAIMED again. It is refused, and
+/// a proper commit afterwards still deduplicates.
+#[tokio::test]
+async fn a_sub_millisecond_retention_is_refused_not_truncated() {
+    let server = TestServer::start().await;
+    let mut client = server.client().await;
+    let claimed = claim(&mut client, claim_request("tiny")).await;
+    let refused = client
+        .commit(pb::CommitRequest {
+            retention: Some(prost_types::Duration {
+                seconds: 0,
+                nanos: 1,
+            }),
+            ..commit_request("tiny", &claimed.lease_token)
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(violated_fields(&refused), vec!["retention"]);
+    assert!(refused.message().contains("at least 1ms"), "{refused:?}");
+    client
+        .commit(commit_request("tiny", &claimed.lease_token))
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome(&claim(&mut client, claim_request("tiny")).await),
+        pb::ClaimOutcome::Duplicate
     );
     server.stop().await.unwrap();
 }
