@@ -118,13 +118,13 @@ pub fn human_duration(duration: Duration) -> String {
         return "0s".into();
     }
     for (unit, size) in UNITS {
-        if nanos % size == 0 {
+        if nanos.is_multiple_of(size) {
             return format!("{}{unit}", nanos / size);
         }
     }
-    if nanos % 1_000_000 == 0 {
+    if nanos.is_multiple_of(1_000_000) {
         format!("{}ms", nanos / 1_000_000)
-    } else if nanos % 1_000 == 0 {
+    } else if nanos.is_multiple_of(1_000) {
         format!("{}us", nanos / 1_000)
     } else {
         format!("{nanos}ns")
