@@ -16,6 +16,7 @@ use crate::{
     cli::ClientCommand,
     credentials::{AuthSources, TlsFiles, TokenSource},
     listen::ListenAddr,
+    server::ConnectionLimits,
     store::sled::{SledConfig, SyncMode},
 };
 
@@ -118,6 +119,17 @@ pub struct ServeArgs {
     /// Calls in progress at once; more are refused with RESOURCE_EXHAUSTED.
     #[arg(long, env = "DEDUPD_MAX_CONCURRENT_REQUESTS", default_value_t = 1024)]
     pub max_concurrent_requests: usize,
+    /// Connections open at once over every listener; more wait in the
+    /// kernel's backlog. Lowered at start if the open-file limit is smaller.
+    #[arg(long, env = "DEDUPD_MAX_CONNECTIONS", default_value_t = 1000)]
+    pub max_connections: usize,
+    /// Calls (HTTP/2 streams) one connection may have open at once.
+    #[arg(long, env = "DEDUPD_MAX_STREAMS_PER_CONNECTION", default_value_t = 128)]
+    pub max_streams_per_connection: u32,
+    /// A connection is asked to close (in-flight calls finish) after this
+    /// long; clients reconnect.
+    #[arg(long, env = "DEDUPD_MAX_CONNECTION_AGE", default_value = "1h")]
+    pub max_connection_age: humantime::Duration,
     /// Directory of the embedded store (created if missing).
     #[arg(long, env = "DEDUPD_DATA_DIR", default_value = "./dedupd-data")]
     pub data_dir: PathBuf,
@@ -192,6 +204,8 @@ pub struct Settings {
     pub tls: Option<TlsFiles>,
     /// Calls in progress at once.
     pub max_concurrent_requests: usize,
+    /// Connection limits.
+    pub connections: ConnectionLimits,
     /// Longest a call may take.
     pub request_timeout: Duration,
     /// Largest gRPC message.
@@ -322,6 +336,17 @@ impl ServeArgs {
         if self.max_concurrent_requests == 0 {
             return Err("--max-concurrent-requests must be at least 1".into());
         }
+        if self.max_connections == 0 {
+            return Err("--max-connections must be at least 1".into());
+        }
+        if self.max_streams_per_connection == 0 {
+            return Err("--max-streams-per-connection must be at least 1".into());
+        }
+        let max_connection_age = check_duration_flag(
+            "max-connection-age",
+            self.max_connection_age.into(),
+            Duration::from_secs(30 * 86_400),
+        )?;
         if self.data_dir.exists() && !self.data_dir.is_dir() {
             return Err(format!(
                 "--data-dir {} exists and is not a directory",
@@ -379,6 +404,12 @@ impl ServeArgs {
             auth,
             tls,
             max_concurrent_requests: self.max_concurrent_requests,
+            connections: ConnectionLimits {
+                max_connections: self.max_connections,
+                max_streams_per_connection: self.max_streams_per_connection,
+                max_connection_age,
+                ..ConnectionLimits::default()
+            },
             request_timeout,
             max_message_bytes: self.max_message_bytes,
             reaper_interval,

@@ -9,6 +9,8 @@ use std::io;
 use tonic::{Code, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
+use crate::listen::out_of_descriptors;
+
 /// One problem with one request field, named as in the proto
 /// (`items[3].correlation_id`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,6 +46,10 @@ pub enum Error {
     /// The disk is full: nothing was written.
     #[error("disk full: {0}")]
     DiskFull(#[source] io::Error),
+    /// A resource other than disk space ran short (file descriptors); the
+    /// change may be applied but is not yet durable: retry.
+    #[error("resources exhausted: {0}")]
+    Exhausted(String),
     /// The store cannot serve right now (failed sync, shutting down).
     #[error("store unavailable: {0}")]
     Unavailable(String),
@@ -73,6 +79,10 @@ impl From<io::Error> for Error {
     fn from(error: io::Error) -> Self {
         if error.kind() == io::ErrorKind::StorageFull {
             Error::DiskFull(error)
+        } else if out_of_descriptors(&error) {
+            // Opening or listing a file failed for want of descriptors (too
+            // many connections): an overload that passes, not a broken disk.
+            Error::Exhausted(format!("out of file descriptors ({error}); retry"))
         } else {
             Error::Io(error)
         }
@@ -110,6 +120,10 @@ impl From<Error> for Status {
             Error::DiskFull(source) => {
                 tracing::error!(error = %source, "disk full");
                 Status::resource_exhausted("disk full: the change was not stored")
+            }
+            Error::Exhausted(reason) => {
+                tracing::warn!(%reason, "resources exhausted");
+                Status::resource_exhausted(reason)
             }
             Error::Unavailable(reason) => {
                 tracing::warn!(%reason, "store unavailable");

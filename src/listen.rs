@@ -1,15 +1,29 @@
 //! Where dedupd listens: TCP addresses and Unix domain sockets (for a shared
-//! `emptyDir` in a pod), parsed from `--listen` and bound before serving.
+//! `emptyDir` in a pod), parsed from `--listen` and bound before serving;
+//! and the accept loop, which caps the connections of the whole process and
+//! backs off when accepting fails instead of spinning.
 
 use std::{
-    fmt, fs, io,
+    fmt, fs,
+    future::Future,
+    io,
     net::SocketAddr,
     os::unix::fs::{FileTypeExt, PermissionsExt},
     path::{Path, PathBuf},
+    pin::Pin,
     str::FromStr,
+    sync::Arc,
+    task::{Context, Poll},
+    time::Duration,
 };
 
-use tokio::net::{TcpListener, UnixListener};
+use tokio::{
+    io::{AsyncRead, AsyncWrite, ReadBuf},
+    net::{TcpListener, TcpStream, UnixListener, UnixStream},
+    sync::{mpsc, OwnedSemaphorePermit, Semaphore},
+};
+use tokio_stream::{wrappers::ReceiverStream, Stream};
+use tonic::transport::server::Connected;
 
 /// One `--listen` value: `HOST:PORT` or `unix:///path/to.sock`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -124,4 +138,145 @@ impl Drop for SocketFile {
     fn drop(&mut self) {
         let _ = fs::remove_file(&self.0);
     }
+}
+
+/// Linux's "too many open files" (per process, and system-wide): an
+/// overload that passes, not a broken socket or disk.
+pub(crate) fn out_of_descriptors(error: &io::Error) -> bool {
+    const ENFILE: i32 = 23;
+    const EMFILE: i32 = 24;
+    matches!(error.raw_os_error(), Some(ENFILE | EMFILE))
+}
+
+/// First pause after a failed accept; it doubles up to [`ACCEPT_BACKOFF_MAX`].
+const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// A connection holding one of the process's connection slots until it
+/// closes.
+#[derive(Debug)]
+pub(crate) struct Capped<IO> {
+    io: IO,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for Capped<IO> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for Capped<IO> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+impl<IO: Connected> Connected for Capped<IO> {
+    type ConnectInfo = IO::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+/// A listener the accept loop can drive.
+pub(crate) trait Accept: Send + Sync + 'static {
+    /// The connections it yields.
+    type Io: Send + 'static;
+    /// The next connection.
+    fn accept(&self) -> impl Future<Output = io::Result<Self::Io>> + Send;
+}
+
+impl Accept for TcpListener {
+    type Io = TcpStream;
+
+    async fn accept(&self) -> io::Result<TcpStream> {
+        let (stream, _) = TcpListener::accept(self).await?;
+        // `serve_with_incoming` ignores the builder's TCP settings: without
+        // this, small answers wait for Nagle.
+        stream.set_nodelay(true)?;
+        Ok(stream)
+    }
+}
+
+impl Accept for UnixListener {
+    type Io = UnixStream;
+
+    async fn accept(&self) -> io::Result<UnixStream> {
+        Ok(UnixListener::accept(self).await?.0)
+    }
+}
+
+/// Accepts connections from `listener` while a slot of `slots` is free (at
+/// the cap, new connections wait in the kernel's backlog), and backs off when
+/// accepting fails — out of descriptors, say — instead of spinning.
+pub(crate) fn accept_capped<A: Accept>(
+    listener: A,
+    slots: Arc<Semaphore>,
+) -> impl Stream<Item = io::Result<Capped<A::Io>>> {
+    let (sender, receiver) = mpsc::channel(1);
+    tokio::spawn(async move {
+        let mut backoff = ACCEPT_BACKOFF_MIN;
+        loop {
+            let slot = tokio::select! {
+                slot = Arc::clone(&slots).acquire_owned() => match slot {
+                    Ok(slot) => slot,
+                    Err(_) => return,
+                },
+                () = sender.closed() => return,
+            };
+            let accepted = tokio::select! {
+                accepted = listener.accept() => accepted,
+                () = sender.closed() => return,
+            };
+            match accepted {
+                Ok(io) => {
+                    backoff = ACCEPT_BACKOFF_MIN;
+                    if sender.send(Ok(Capped { io, _slot: slot })).await.is_err() {
+                        return;
+                    }
+                }
+                Err(error) => {
+                    drop(slot);
+                    if out_of_descriptors(&error) {
+                        tracing::warn!(%error, ?backoff, "out of file descriptors: not accepting for a moment");
+                    } else {
+                        tracing::warn!(%error, ?backoff, "accept failed; backing off");
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(ACCEPT_BACKOFF_MAX);
+                }
+            }
+        }
+    });
+    ReceiverStream::new(receiver)
 }

@@ -69,7 +69,7 @@ fn runtime(worker_threads: usize) -> Result<tokio::runtime::Runtime, ExitCode> {
 }
 
 fn serve(args: &ServeArgs) -> ExitCode {
-    let (settings, server) = match configure(args) {
+    let (settings, mut server) = match configure(args) {
         Ok(configured) => configured,
         Err(line) => {
             eprintln!("dedupd: invalid configuration: {line}");
@@ -77,6 +77,8 @@ fn serve(args: &ServeArgs) -> ExitCode {
         }
     };
     init_tracing(&settings);
+    server.connections.max_connections =
+        connections_within_file_limit(settings.connections.max_connections);
     let runtime = match runtime(settings.worker_threads) {
         Ok(runtime) => runtime,
         Err(code) => return code,
@@ -139,9 +141,46 @@ fn configure(args: &ServeArgs) -> Result<(Settings, ServerConfig), String> {
         metrics: Arc::new(Metrics::new()),
         clock: Arc::new(SystemClock),
         ready_file: settings.ready_file.clone(),
+        connections: settings.connections,
         ..ServerConfig::default()
     };
     Ok((settings, server))
+}
+
+/// Descriptors kept for the store, the listeners and the ops port.
+const RESERVED_DESCRIPTORS: u64 = 128;
+
+/// Raises the soft open-file limit to the hard one (every connection is a
+/// descriptor, and the store needs some too), and returns the connection cap
+/// that fits within it.
+fn connections_within_file_limit(wanted: usize) -> usize {
+    let before = rlimit::Resource::NOFILE.get().map(|(soft, _)| soft);
+    let limit = match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(limit) => limit,
+        Err(error) => {
+            tracing::warn!(%error, "cannot read or raise the open-file limit");
+            return wanted;
+        }
+    };
+    match before {
+        Ok(before) if before < limit => {
+            tracing::info!(from = before, to = limit, "raised the open-file limit")
+        }
+        _ => tracing::info!(limit, "open-file limit"),
+    }
+    let fits =
+        usize::try_from(limit.saturating_sub(RESERVED_DESCRIPTORS).max(1)).unwrap_or(usize::MAX);
+    if wanted > fits {
+        tracing::warn!(
+            wanted,
+            allowed = fits,
+            open_file_limit = limit,
+            "--max-connections lowered to fit the open-file limit"
+        );
+        fits
+    } else {
+        wanted
+    }
 }
 
 fn init_tracing(settings: &Settings) {

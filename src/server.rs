@@ -13,9 +13,12 @@ use std::{
     time::Duration,
 };
 
-use tokio::{net::TcpListener, sync::watch, task::JoinSet};
-use tokio_stream::wrappers::UnixListenerStream;
-use tonic::transport::{server::TcpIncoming, Server, ServerTlsConfig};
+use tokio::{
+    net::TcpListener,
+    sync::{watch, Semaphore},
+    task::JoinSet,
+};
+use tonic::transport::{Server, ServerTlsConfig};
 use tonic_health::{server::HealthReporter, ServingStatus};
 
 use crate::{
@@ -24,7 +27,7 @@ use crate::{
     engine::Engine,
     error::Error,
     guard::{self, GuardConfig},
-    listen::Listener,
+    listen::{accept_capped, Listener},
     metrics::Metrics,
     ops,
     proto::{
@@ -58,6 +61,52 @@ pub struct ServerConfig {
     pub clock: Arc<dyn Clock>,
     /// Written once serving (the bound addresses, as JSON); removed on exit.
     pub ready_file: Option<PathBuf>,
+    /// What one connection may hold, and how many there may be.
+    pub connections: ConnectionLimits,
+}
+
+/// Limits on connections, so that no client can hold the sidecar: a cap for
+/// the process, streams per connection, keepalive, a maximum age, and the
+/// TLS handshake's time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// Connections open at once over every listener; more wait in the
+    /// kernel's backlog.
+    pub max_connections: usize,
+    /// HTTP/2 streams (calls) one connection may have open at once.
+    pub max_streams_per_connection: u32,
+    /// A connection is asked to close (GOAWAY, in-flight calls finish) after
+    /// this long, so stalled or forgotten ones do not pile up.
+    pub max_connection_age: Duration,
+    /// Ping interval: a peer that does not answer within the timeout is gone.
+    pub keepalive_interval: Duration,
+    /// How long to wait for a keepalive ping's answer.
+    pub keepalive_timeout: Duration,
+    /// Longest a TLS handshake may take.
+    pub handshake_timeout: Duration,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits {
+            max_connections: 1000,
+            max_streams_per_connection: 128,
+            max_connection_age: Duration::from_secs(3600),
+            keepalive_interval: Duration::from_secs(30),
+            keepalive_timeout: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+impl ConnectionLimits {
+    fn apply(&self, builder: Server) -> Server {
+        builder
+            .max_concurrent_streams(self.max_streams_per_connection)
+            .max_connection_age(self.max_connection_age)
+            .http2_keepalive_interval(Some(self.keepalive_interval))
+            .http2_keepalive_timeout(Some(self.keepalive_timeout))
+    }
 }
 
 impl Default for ServerConfig {
@@ -77,6 +126,7 @@ impl Default for ServerConfig {
             metrics: Arc::new(Metrics::new()),
             clock: Arc::new(SystemClock),
             ready_file: None,
+            connections: ConnectionLimits::default(),
         }
     }
 }
@@ -161,16 +211,19 @@ pub async fn run<S: Store>(
         .build_v1alpha()
         .map_err(|e| Error::Server(format!("reflection: {e}")))?;
 
+    // One cap for the process, over every listener.
+    let connection_slots = Arc::new(Semaphore::new(config.connections.max_connections));
     let mut announced = ReadyAnnouncement::default();
     let mut servers = JoinSet::new();
     for listener in listeners.grpc {
         announced.grpc.push(listener.describe());
         tracing::info!(address = %listener.describe(), "dedupd serving");
+        let builder = config.connections.apply(Server::builder());
         let builder = match (&config.tls, &listener) {
-            (Some(tls), Listener::Tcp(_)) => Server::builder()
-                .tls_config(tls.clone())
+            (Some(tls), Listener::Tcp(_)) => builder
+                .tls_config(tls.clone().timeout(config.connections.handshake_timeout))
                 .map_err(|e| Error::Server(format!("TLS: {e}")))?,
-            _ => Server::builder(),
+            _ => builder,
         };
         let router = builder
             .trace_fn(|request| tracing::debug_span!("rpc", path = %request.uri().path()))
@@ -181,7 +234,7 @@ pub async fn run<S: Store>(
         let signal = stopped();
         match listener {
             Listener::Tcp(tcp) => {
-                let incoming = TcpIncoming::from(tcp).with_nodelay(Some(true));
+                let incoming = accept_capped(tcp, Arc::clone(&connection_slots));
                 servers.spawn(async move {
                     router
                         .serve_with_incoming_shutdown(incoming, signal)
@@ -190,9 +243,10 @@ pub async fn run<S: Store>(
                 });
             }
             Listener::Unix(unix, socket_file) => {
+                let incoming = accept_capped(unix, Arc::clone(&connection_slots));
                 servers.spawn(async move {
                     let served = router
-                        .serve_with_incoming_shutdown(UnixListenerStream::new(unix), signal)
+                        .serve_with_incoming_shutdown(incoming, signal)
                         .await
                         .map_err(|e| Error::Server(e.to_string()));
                     drop(socket_file);

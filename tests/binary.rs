@@ -33,9 +33,23 @@ impl Sidecar {
 
     /// Like [`Sidecar::start`], with more flags.
     fn start_with(data_dir: &Path, extra: &[&str]) -> Sidecar {
+        Sidecar::start_under(&[], data_dir, extra)
+    }
+
+    /// Like [`Sidecar::start_with`], run by `launcher` (e.g. `prlimit …`),
+    /// which must exec the binary so it keeps the child's process ID.
+    fn start_under(launcher: &[&str], data_dir: &Path, extra: &[&str]) -> Sidecar {
         let ready_dir = tempfile::tempdir().unwrap();
         let ready_file = ready_dir.path().join("ready.json");
-        let mut child = Command::new(BINARY)
+        let mut command = match launcher.split_first() {
+            Some((program, args)) => {
+                let mut command = Command::new(program);
+                command.args(args).arg(BINARY);
+                command
+            }
+            None => Command::new(BINARY),
+        };
+        let mut child = command
             .args(extra)
             .args([
                 "--listen",
@@ -457,6 +471,105 @@ fn health_readyz_asks_the_ops_port() {
     sidecar.kill_9();
     let (code, stdout) = health(&metrics);
     assert_eq!(code, Some(1), "{stdout}");
+}
+
+/// Open descriptors of process `pid`.
+fn open_descriptors(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
+}
+
+/// Defect: running out of file descriptors used to kill the store until a
+/// restart (a failed `read_dir` in the group commit was taken for a failed
+/// disk sync) while the accept loop spun. Now the soft limit is raised at
+/// start, the connection cap fits it, and when descriptors still run out (the
+/// limit lowered under a running process) calls get RESOURCE_EXHAUSTED, the
+/// accept loop backs off, and everything works again once connections close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn running_out_of_descriptors_is_an_overload_that_passes() {
+    let dir = tempfile::tempdir().unwrap();
+    let sidecar = Sidecar::start_under(
+        &["prlimit", "--nofile=200:1000"],
+        dir.path(),
+        &["--max-connections", "5000"],
+    );
+    let log = sidecar.log_text();
+    assert!(
+        log.contains("raised the open-file limit") && log.contains("\"to\":1000"),
+        "{log}"
+    );
+    assert!(log.contains("\"allowed\":872"), "{log}");
+
+    let mut client = sidecar.client().await;
+    claim_and_commit(&mut client, "fd-before").await;
+    // Now the limit drops under the running process, below what it holds
+    // plus what the connections below will take.
+    let pid = sidecar.child.id();
+    let lowered = Command::new("prlimit")
+        .args(["--pid", &pid.to_string(), "--nofile=120:120"])
+        .status()
+        .unwrap();
+    assert!(lowered.success());
+    let idle: Vec<_> = (0..200)
+        .map(|_| std::net::TcpStream::connect(sidecar.addr).unwrap())
+        .collect();
+    let started = Instant::now();
+    while open_descriptors(pid) < 118 {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "descriptors never ran out: {}",
+            open_descriptors(pid)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut exhausted = 0;
+    for i in 0..50 {
+        match client.claim(claim_request(&format!("fd-during-{i}"))).await {
+            Ok(_) => {}
+            Err(status) if status.code() == tonic::Code::ResourceExhausted => exhausted += 1,
+            Err(status) => panic!("out of descriptors must be an overload: {status:?}"),
+        }
+        if exhausted >= 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(exhausted >= 1, "no call met the shortage");
+    let backoffs = sidecar
+        .log_text()
+        .matches("out of file descriptors: not accepting")
+        .count();
+    assert!(
+        backoffs < 200,
+        "the accept loop must back off, not spin: {backoffs} warnings"
+    );
+
+    drop(idle);
+    let started = Instant::now();
+    while open_descriptors(pid) > 100 {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "connections never closed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    claim_and_commit(&mut client, "fd-after").await;
+}
+
+async fn claim_and_commit(client: &mut ClaimAndCommitClient<tonic::transport::Channel>, id: &str) {
+    let claimed = client
+        .claim(claim_request(id))
+        .await
+        .expect("claim")
+        .into_inner();
+    assert_eq!(claimed.outcome, pb::ClaimOutcome::Claimed as i32, "{id}");
+    client
+        .commit(pb::CommitRequest {
+            correlation_id: id.to_owned(),
+            lease_token: claimed.lease_token,
+            ..Default::default()
+        })
+        .await
+        .expect("commit");
 }
 
 fn cli(addr: SocketAddr, args: &[&str]) -> (i32, String, String) {

@@ -120,7 +120,26 @@ struct Committer {
     thread: thread::JoinHandle<()>,
 }
 
-type Waiter = oneshot::Sender<Result<(), String>>;
+type Waiter = oneshot::Sender<Result<(), SyncRefusal>>;
+
+/// Why a group commit did not make its callers' writes durable.
+#[derive(Debug, Clone)]
+enum SyncRefusal {
+    /// A resource ran short before anything was synced (file descriptors):
+    /// nothing is known to be lost, the next group commit tries again.
+    Exhausted(String),
+    /// A sync failed: the store stops for good.
+    Failed(String),
+}
+
+impl From<SyncRefusal> for Error {
+    fn from(refusal: SyncRefusal) -> Error {
+        match refusal {
+            SyncRefusal::Exhausted(reason) => Error::Exhausted(reason),
+            SyncRefusal::Failed(reason) => Error::Unavailable(reason),
+        }
+    }
+}
 
 /// See the module docs ("Reads wait too").
 #[derive(Debug, Default)]
@@ -398,7 +417,7 @@ impl Store for SledStore {
             return Err(Error::Unavailable("the store is closed".into()));
         }
         match synced.await {
-            Ok(result) => result.map_err(Error::Unavailable),
+            Ok(result) => result.map_err(Error::from),
             Err(_) => Err(Error::Unavailable("the store is closed".into())),
         }
     }
@@ -472,7 +491,7 @@ fn spawn_committer(
                 batch.push(first);
                 batch.extend(waiters.try_iter());
                 let outcome = match failure.get() {
-                    Some(reason) => Err(reason.clone()),
+                    Some(reason) => Err(SyncRefusal::Failed(reason.clone())),
                     None => {
                         let finished = counters.finished.load(SeqCst);
                         let started = std::time::Instant::now();
@@ -496,13 +515,19 @@ fn spawn_committer(
                                 counters.durable.fetch_max(finished, SeqCst);
                                 Ok(())
                             }
+                            // Listing or opening a file failed, no sync did:
+                            // an overload that passes, not a broken disk.
+                            Err(Error::Exhausted(reason)) => {
+                                tracing::warn!(%reason, "group commit postponed");
+                                Err(SyncRefusal::Exhausted(reason))
+                            }
                             Err(error) => {
                                 // After a failed fsync the kernel may have
                                 // dropped the dirty pages: retrying could
                                 // report success for lost data. Fail for good.
                                 let reason = format!("disk sync failed ({error}); restart dedupd");
                                 tracing::error!(%error, "disk sync failed; the store stops serving");
-                                Err(failure.get_or_init(|| reason).clone())
+                                Err(SyncRefusal::Failed(failure.get_or_init(|| reason).clone()))
                             }
                         }
                     }
