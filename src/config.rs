@@ -116,6 +116,10 @@ pub struct ServeArgs {
     /// Longest a call may take before it is answered UNAVAILABLE.
     #[arg(long, env = "DEDUPD_REQUEST_TIMEOUT", default_value = "10s")]
     pub request_timeout: humantime::Duration,
+    /// Longest a request message may take to arrive (before the call is
+    /// admitted); slower ones are answered DEADLINE_EXCEEDED.
+    #[arg(long, env = "DEDUPD_REQUEST_READ_TIMEOUT", default_value = "5s")]
+    pub request_read_timeout: humantime::Duration,
     /// Calls in progress at once; more are refused with RESOURCE_EXHAUSTED.
     #[arg(long, env = "DEDUPD_MAX_CONCURRENT_REQUESTS", default_value_t = 1024)]
     pub max_concurrent_requests: usize,
@@ -208,6 +212,8 @@ pub struct Settings {
     pub connections: ConnectionLimits,
     /// Longest a call may take.
     pub request_timeout: Duration,
+    /// Longest a request message may take to arrive.
+    pub request_read_timeout: Duration,
     /// Largest gRPC message.
     pub max_message_bytes: usize,
     /// How often the reaper runs.
@@ -311,6 +317,11 @@ impl ServeArgs {
             self.request_timeout.into(),
             Duration::from_secs(3600),
         )?;
+        let request_read_timeout = check_duration_flag(
+            "request-read-timeout",
+            self.request_read_timeout.into(),
+            Duration::from_secs(3600),
+        )?;
         if self.max_response_bytes > HARD_MAX_RESPONSE_BYTES {
             return Err(format!(
                 "--max-response-bytes must be at most {HARD_MAX_RESPONSE_BYTES}, got {}",
@@ -411,6 +422,7 @@ impl ServeArgs {
                 ..ConnectionLimits::default()
             },
             request_timeout,
+            request_read_timeout,
             max_message_bytes: self.max_message_bytes,
             reaper_interval,
             shutdown_grace: self.shutdown_grace.into(),

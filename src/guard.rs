@@ -16,6 +16,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use subtle::ConstantTimeEq;
 use tokio::sync::Semaphore;
 use tonic::{
@@ -29,7 +30,7 @@ use tonic::{
 };
 use tower::{
     limit::GlobalConcurrencyLimitLayer, load_shed::LoadShedLayer, timeout::TimeoutLayer,
-    util::BoxCloneSyncService, BoxError, Service, ServiceBuilder,
+    util::BoxCloneSyncService, BoxError, Service, ServiceBuilder, ServiceExt,
 };
 
 use crate::{metrics::Metrics, proto::v1::claim_and_commit_server::SERVICE_NAME};
@@ -162,8 +163,13 @@ pub struct GuardConfig {
     /// Calls in progress at once, over every listener; more are refused with
     /// RESOURCE_EXHAUSTED.
     pub max_concurrent_requests: usize,
-    /// Longest a call may take; longer ones are answered UNAVAILABLE.
+    /// Longest a call may take once admitted; longer ones are answered
+    /// UNAVAILABLE.
     pub request_timeout: Duration,
+    /// Longest the request message may take to arrive, before admission: a
+    /// client that sends headers and stalls holds no admission slot, and is
+    /// answered DEADLINE_EXCEEDED after this long.
+    pub request_read_timeout: Duration,
 }
 
 impl GuardConfig {
@@ -206,9 +212,16 @@ impl Service<http::Request<Body>> for Guarded {
     }
 }
 
-/// Puts `dedup` behind timing, load shedding, the process-wide concurrency
-/// limit, the timeout and the token check, in that order.
-pub(crate) fn guard<S>(dedup: S, config: &GuardConfig, metrics: Arc<Metrics>) -> Guarded
+/// Puts `dedup` behind timing, reading the whole request (bounded in time
+/// and size), load shedding, the process-wide concurrency limit, the timeout
+/// and the token check, in that order: a call takes an admission slot only
+/// once its message has arrived.
+pub(crate) fn guard<S>(
+    dedup: S,
+    config: &GuardConfig,
+    max_message_bytes: usize,
+    metrics: Arc<Metrics>,
+) -> Guarded
 where
     S: Service<http::Request<Body>, Response = http::Response<Body>, Error = Infallible>
         + Clone
@@ -226,8 +239,19 @@ where
         })
         .layer_fn(|inner| Refuse {
             inner,
-            limits: Limits { limit, timeout },
+            limits: Limits {
+                limit,
+                timeout,
+                read_timeout: config.request_read_timeout,
+                max_message_bytes,
+            },
             not_ready: None,
+        })
+        .layer_fn(|inner| ReadBody {
+            inner,
+            read_timeout: config.request_read_timeout,
+            // The gRPC frame header: a flag byte and a 4-byte length.
+            max_bytes: max_message_bytes.saturating_add(5),
         })
         .layer(LoadShedLayer::new())
         .layer(GlobalConcurrencyLimitLayer::with_semaphore(Arc::new(
@@ -280,11 +304,27 @@ where
 struct Limits {
     limit: usize,
     timeout: Duration,
+    read_timeout: Duration,
+    max_message_bytes: usize,
 }
 
 impl Limits {
     fn refusal(self, error: &BoxError) -> http::Response<Body> {
-        let status = if error.is::<tower::load_shed::error::Overloaded>() {
+        let status = if let Some(unread) = error.downcast_ref::<Unread>() {
+            match unread {
+                Unread::TooSlow => Status::deadline_exceeded(format!(
+                    "the request message did not arrive within {} (--request-read-timeout)",
+                    crate::api::human_duration(self.read_timeout)
+                )),
+                Unread::TooLarge => Status::out_of_range(format!(
+                    "request message too large: over {} bytes (--max-message-bytes)",
+                    self.max_message_bytes
+                )),
+                Unread::Broken(error) => {
+                    Status::cancelled(format!("the request stream broke: {error}"))
+                }
+            }
+        } else if error.is::<tower::load_shed::error::Overloaded>() {
             Status::resource_exhausted(format!(
                 "overloaded: {} calls in progress (--max-concurrent-requests); retry with backoff",
                 self.limit
@@ -341,6 +381,68 @@ where
         }
         let answer = self.inner.call(request);
         Box::pin(async move { Ok(answer.await.unwrap_or_else(|error| limits.refusal(&error))) })
+    }
+}
+
+/// Why a request message was not read.
+#[derive(Debug, thiserror::Error)]
+enum Unread {
+    #[error("the request message did not arrive in time")]
+    TooSlow,
+    #[error("the request message is too large")]
+    TooLarge,
+    #[error("the request stream broke: {0}")]
+    Broken(BoxError),
+}
+
+/// Reads the whole request message before the call goes on to admission,
+/// within a time and size bound, so that a stalled or slow client holds no
+/// admission slot (a unary call's message is small; buffering it costs
+/// nothing the handler would not allocate anyway).
+#[derive(Clone)]
+struct ReadBody<S> {
+    inner: S,
+    read_timeout: Duration,
+    max_bytes: usize,
+}
+
+type ReadFuture = Pin<Box<dyn Future<Output = Result<http::Response<Body>, BoxError>> + Send>>;
+
+impl<S> Service<http::Request<Body>> for ReadBody<S>
+where
+    S: Service<http::Request<Body>, Response = http::Response<Body>, Error = BoxError>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<Body>;
+    type Error = BoxError;
+    type Future = ReadFuture;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        // Readiness of the layers below (admission) is asked only once the
+        // message is in, by `oneshot`.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<Body>) -> ReadFuture {
+        let inner = self.inner.clone();
+        let (read_timeout, max_bytes) = (self.read_timeout, self.max_bytes);
+        Box::pin(async move {
+            let (parts, body) = request.into_parts();
+            let read = tokio::time::timeout(read_timeout, Limited::new(body, max_bytes).collect());
+            let message = match read.await {
+                Err(_) => return Err(Unread::TooSlow.into()),
+                Ok(Err(error)) if error.is::<LengthLimitError>() => {
+                    return Err(Unread::TooLarge.into())
+                }
+                Ok(Err(error)) => return Err(Unread::Broken(error).into()),
+                Ok(Ok(collected)) => collected.to_bytes(),
+            };
+            let request = http::Request::from_parts(parts, Body::new(Full::new(message)));
+            inner.oneshot(request).await
+        })
     }
 }
 

@@ -136,6 +136,7 @@ fn configure(args: &ServeArgs) -> Result<(Settings, ServerConfig), String> {
             tokens,
             max_concurrent_requests: settings.max_concurrent_requests,
             request_timeout: settings.request_timeout,
+            request_read_timeout: settings.request_read_timeout,
         },
         tls,
         metrics: Arc::new(Metrics::new()),

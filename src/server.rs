@@ -121,6 +121,7 @@ impl Default for ServerConfig {
                 tokens: None,
                 max_concurrent_requests: 1024,
                 request_timeout: Duration::from_secs(10),
+                request_read_timeout: Duration::from_secs(5),
             },
             tls: None,
             metrics: Arc::new(Metrics::new()),
@@ -202,6 +203,7 @@ pub async fn run<S: Store>(
             .max_decoding_message_size(config.max_message_bytes)
             .max_encoding_message_size(config.max_message_bytes),
         &config.guard,
+        config.max_message_bytes,
         Arc::clone(&config.metrics),
     );
     let reflection_v1 = reflection()

@@ -14,6 +14,7 @@ use dedupd::{
     store::Store,
     Tokens,
 };
+use prost::Message;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::Code;
 
@@ -407,5 +408,94 @@ async fn unknown_methods_share_one_metric_label() {
         "{text}"
     );
     assert!(!text.contains("Bogus"), "{text}");
+    stop(server).await;
+}
+
+/// Defect 4: one connection sending header-only calls used to take every
+/// admission slot until --request-timeout, refusing everyone else (health
+/// included). Now each connection has a stream limit, the server says so in
+/// its SETTINGS, a call is admitted only once its message has arrived, and a
+/// stalled one is answered DEADLINE_EXCEEDED after --request-read-timeout.
+#[tokio::test]
+async fn a_connection_that_stalls_its_calls_holds_no_admission_slot() {
+    const STREAMS: u32 = 48;
+    let server = TestServer::builder()
+        .unix_socket()
+        .config(|config| {
+            config.guard.max_concurrent_requests = 4;
+            config.guard.request_read_timeout = Duration::from_millis(500);
+            config.connections.max_streams_per_connection = STREAMS;
+        })
+        .start()
+        .await;
+    let tcp = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    let (send, mut connection) = h2::client::handshake(tcp).await.unwrap();
+    // Drive the connection until the server's SETTINGS have arrived.
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while connection.max_concurrent_send_streams() != STREAMS as usize {
+            tokio::select! {
+                _ = &mut connection => panic!("the connection closed"),
+                () = tokio::time::sleep(Duration::from_millis(5)) => {}
+            }
+        }
+    })
+    .await
+    .expect("the server advertises MAX_CONCURRENT_STREAMS");
+    tokio::spawn(connection);
+
+    let call = |method: &str| {
+        http::Request::post(format!(
+            "http://{}/dedup.v1.ClaimAndCommit/{method}",
+            server.addr
+        ))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap()
+    };
+    let mut stalled = Vec::new();
+    for _ in 1..STREAMS {
+        let mut ready = send.clone().ready().await.unwrap();
+        // Headers only: the message never comes.
+        stalled.push(ready.send_request(call("Claim"), false).unwrap());
+    }
+    // A complete call behind them on the same connection: once it is
+    // answered, the server has taken up every stalled one before it.
+    let mut ready = send.clone().ready().await.unwrap();
+    let (barrier, mut message) = ready.send_request(call("Lookup"), false).unwrap();
+    let lookup = pb::LookupRequest {
+        namespace: String::new(),
+        correlation_id: "barrier".into(),
+    }
+    .encode_to_vec();
+    let mut frame = vec![0u8];
+    frame.extend_from_slice(&u32::try_from(lookup.len()).unwrap().to_be_bytes());
+    frame.extend_from_slice(&lookup);
+    message.send_data(frame.into(), true).unwrap();
+    let barrier = tokio::time::timeout(Duration::from_secs(5), barrier)
+        .await
+        .expect("the complete call is answered")
+        .unwrap();
+    assert_eq!(barrier.status(), 200);
+
+    let mut client = server.client().await;
+    for i in 0..10 {
+        let answer = claim(&mut client, claim_request(&format!("legit-{i}"))).await;
+        assert_eq!(outcome(&answer), pb::ClaimOutcome::Claimed);
+    }
+
+    let (response, _body) = stalled.pop().unwrap();
+    let response = tokio::time::timeout(Duration::from_secs(5), response)
+        .await
+        .expect("a stalled call is answered")
+        .unwrap();
+    assert_eq!(
+        response
+            .headers()
+            .get("grpc-status")
+            .and_then(|code| code.to_str().ok()),
+        Some("4"),
+        "DEADLINE_EXCEEDED: {response:?}"
+    );
     stop(server).await;
 }
