@@ -155,9 +155,8 @@ fn stores(c: &mut Criterion) {
     ] {
         let dir = tempfile::tempdir().unwrap();
         let store = SledStore::open(&SledConfig {
-            path: dir.path().to_path_buf(),
             sync,
-            cache_capacity_bytes: 64 << 20,
+            ..SledConfig::new(dir.path())
         })
         .unwrap();
         engine_paths(c, name, Engine::new(Arc::new(store), Arc::new(SystemClock)));

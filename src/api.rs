@@ -131,6 +131,25 @@ pub fn human_duration(duration: Duration) -> String {
     }
 }
 
+/// A byte count in the largest binary unit that keeps it readable
+/// (`512 B`, `3.2 MiB`).
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = UNITS[0];
+    for next in &UNITS[1..] {
+        if value < 1024.0 {
+            break;
+        }
+        value /= 1024.0;
+        unit = next;
+    }
+    format!("{value:.1} {unit}")
+}
+
 /// The largest `seconds` a `google.protobuf.Duration` may hold (10,000 years).
 const MAX_PROTO_DURATION_SECONDS: i64 = 315_576_000_000;
 

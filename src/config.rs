@@ -144,6 +144,15 @@ pub struct ServeArgs {
     /// Page cache of the embedded store, in MiB.
     #[arg(long, env = "DEDUPD_CACHE_MB", default_value_t = 64)]
     pub cache_mb: u64,
+    /// Refuse writes (RESOURCE_EXHAUSTED; reads go on) while the data
+    /// directory's filesystem has less than this many MiB free, so the store
+    /// never meets a full disk; 0 turns the guard off.
+    #[arg(long, env = "DEDUPD_DISK_RESERVE_MB", default_value_t = 64)]
+    pub disk_reserve_mb: u64,
+    /// A disk sync taking longer than this means the store stopped answering:
+    /// dedupd reports NOT_SERVING and exits (non-zero) for a restart.
+    #[arg(long, env = "DEDUPD_STORE_STALL_TIMEOUT", default_value = "30s")]
+    pub store_stall_timeout: humantime::Duration,
     /// Lease granted when a Claim does not give one.
     #[arg(long, env = "DEDUPD_DEFAULT_LEASE_TTL", default_value = "30s")]
     pub default_lease_ttl: humantime::Duration,
@@ -317,6 +326,11 @@ impl ServeArgs {
             self.request_timeout.into(),
             Duration::from_secs(3600),
         )?;
+        let stall_timeout = check_duration_flag(
+            "store-stall-timeout",
+            self.store_stall_timeout.into(),
+            Duration::from_secs(3600),
+        )?;
         let request_read_timeout = check_duration_flag(
             "request-read-timeout",
             self.request_read_timeout.into(),
@@ -402,6 +416,8 @@ impl ServeArgs {
                 path: self.data_dir.clone(),
                 sync: self.sync.into(),
                 cache_capacity_bytes: self.cache_mb << 20,
+                disk_reserve_bytes: self.disk_reserve_mb.saturating_mul(1 << 20),
+                stall_timeout,
             },
             limits: Limits {
                 default_lease_ttl,

@@ -3,7 +3,7 @@
 //! open the store, bind, and hand over to [`dedupd::run`]. With a client
 //! command it makes one call to a running sidecar instead.
 
-use std::{io::IsTerminal, process::ExitCode, sync::Arc};
+use std::{io::IsTerminal, process::ExitCode, sync::Arc, time::Duration};
 
 use clap::{error::ErrorKind, Parser};
 use dedupd::{
@@ -83,7 +83,7 @@ fn serve(args: &ServeArgs) -> ExitCode {
         Ok(runtime) => runtime,
         Err(code) => return code,
     };
-    runtime.block_on(async move {
+    let code = runtime.block_on(async move {
         let observer: Arc<dyn CommitObserver> = Arc::clone(&server.metrics) as _;
         let store = match SledStore::open_observed(&settings.sled, Some(observer)) {
             Ok(store) => Arc::new(store),
@@ -117,7 +117,10 @@ fn serve(args: &ServeArgs) -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(_) => ExitCode::FAILURE,
         }
-    })
+    });
+    // A wedged store may hold a blocking thread forever: do not wait for it.
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    code
 }
 
 /// Flags → settings → the server's runtime configuration: secrets and

@@ -1,6 +1,7 @@
 //! The operations HTTP server on its own port: Prometheus `/metrics`,
 //! `/healthz` (the process and its store work: a failed store needs a
-//! restart) and `/readyz` (serving: not draining, store healthy).
+//! restart) and `/readyz` (serving: not draining, store healthy and taking
+//! writes).
 
 use std::{
     future::Future,
@@ -73,7 +74,8 @@ async fn readyz<S: Store>(State(state): State<OpsState<S>>) -> impl IntoResponse
     if !state.ready.load(Ordering::SeqCst) {
         return (StatusCode::SERVICE_UNAVAILABLE, "draining\n".to_owned());
     }
-    match state.engine.store().health() {
+    // Not writable (short of disk space) is not ready; it passes by itself.
+    match state.engine.store().writable() {
         Ok(()) => (StatusCode::OK, "ready\n".to_owned()),
         Err(error) => (StatusCode::SERVICE_UNAVAILABLE, format!("{error}\n")),
     }

@@ -8,9 +8,9 @@ use std::{
     path::{Path, PathBuf},
     sync::{
         atomic::{AtomicBool, Ordering},
-        Arc,
+        Arc, OnceLock,
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use tokio::{
@@ -179,12 +179,27 @@ pub async fn run<S: Store>(
 
     // One signal fans out to every server: first NOT_SERVING, then stop.
     let (stopping, stop) = watch::channel(false);
+    let (store_failed, store_failure) = watch::channel::<Option<String>>(None);
+    let stop_began = Arc::new(OnceLock::new());
     let _signal_watch = {
         let health = health.clone();
         let ready = Arc::clone(&ready);
+        let stop_began = Arc::clone(&stop_began);
+        let mut store_failure = store_failure.clone();
         AbortOnDrop(tokio::spawn(async move {
-            shutdown.await;
-            tracing::info!("shutdown requested: NOT_SERVING, draining in-flight calls");
+            tokio::select! {
+                () = shutdown => {
+                    tracing::info!("shutdown requested: NOT_SERVING, draining in-flight calls");
+                }
+                failure = store_failure.wait_for(Option::is_some) => {
+                    let reason = failure.map(|reason| reason.clone()).unwrap_or_default();
+                    tracing::error!(
+                        reason = reason.as_deref().unwrap_or("unknown"),
+                        "the store failed: NOT_SERVING, stopping so the process is restarted"
+                    );
+                }
+            }
+            let _ = stop_began.set(Instant::now());
             ready.store(false, Ordering::SeqCst);
             set_health(&health, ServingStatus::NotServing).await;
             let _ = stopping.send(true);
@@ -282,13 +297,18 @@ pub async fn run<S: Store>(
         };
 
     // Started last: nothing above may fail and leave it running.
-    let maintenance = tokio::spawn(maintain(
+    let health_watch = AbortOnDrop(tokio::spawn(watch_health(
         engine.clone(),
         health.clone(),
+        store_failed,
+        stopped(),
+    )));
+    let reaper = AbortOnDrop(tokio::spawn(reap(
+        engine.clone(),
         config.reaper_interval,
         config.reaper_batch,
         stopped(),
-    ));
+    )));
 
     // Wait for the servers; once shutdown began, for at most the grace period.
     let grace = config.shutdown_grace;
@@ -325,9 +345,23 @@ pub async fn run<S: Store>(
     servers.abort_all();
     while servers.join_next().await.is_some() {}
 
-    maintenance.abort();
-    let _ = maintenance.await;
-    let closed = store.close().await;
+    drop((health_watch, reaper));
+    if let Some(reason) = store_failure.borrow().clone() {
+        served = Err(Error::Unavailable(reason));
+    }
+    // Whatever the store does, shutdown ends: the final sync gets what is
+    // left of the grace period (at least FINAL_SYNC_MIN).
+    let left = stop_began
+        .get()
+        .map_or(grace, |began| grace.saturating_sub(began.elapsed()))
+        .max(FINAL_SYNC_MIN);
+    let closed = match tokio::time::timeout(left, store.close()).await {
+        Ok(closed) => closed,
+        Err(_) => Err(Error::Unavailable(format!(
+            "the final store sync did not finish within {}; exiting without it",
+            crate::api::human_duration(Duration::from_secs(left.as_secs_f64().ceil() as u64))
+        ))),
+    };
     match (&served, &closed) {
         (Ok(()), Ok(())) => tracing::info!("dedupd stopped; store synced"),
         (_, Err(error)) => tracing::error!(%error, "final store sync failed"),
@@ -371,6 +405,9 @@ impl Drop for RemoveOnDrop {
     }
 }
 
+/// The least time the final sync gets, even when the grace period is spent.
+const FINAL_SYNC_MIN: Duration = Duration::from_secs(2);
+
 /// Aborts a task when dropped, so no task outlives `run`, whichever way it
 /// returns.
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
@@ -393,16 +430,20 @@ async fn set_health(health: &HealthReporter, status: ServingStatus) {
     health.set_service_status(SERVICE_NAME, status).await;
 }
 
-/// Runs the reaper every `interval` and keeps the health status in step with
-/// the store (a store that failed a sync is NOT_SERVING).
-async fn maintain<S: Store>(
+/// How often health follows the store.
+const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Keeps the health status in step with the store every second: not
+/// writable (short of disk space) is NOT_SERVING until it passes; a failed
+/// or stalled store is reported on `failed`, which stops the process so it
+/// restarts (fail-stop: never a silent hang).
+async fn watch_health<S: Store>(
     engine: Engine<S>,
     health: HealthReporter,
-    interval: Duration,
-    batch: usize,
+    failed: watch::Sender<Option<String>>,
     stop: impl Future<Output = ()>,
 ) {
-    let mut ticker = tokio::time::interval(interval);
+    let mut ticker = tokio::time::interval(HEALTH_INTERVAL);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut serving = true;
     tokio::pin!(stop);
@@ -411,15 +452,41 @@ async fn maintain<S: Store>(
             _ = ticker.tick() => {}
             () = &mut stop => return,
         }
-        let healthy = engine.store().health().is_ok();
-        if healthy != serving {
-            serving = healthy;
-            let status = if healthy {
+        if let Err(error) = engine.store().health() {
+            failed.send_replace(Some(error.to_string()));
+            return;
+        }
+        let writable = engine.store().writable();
+        if writable.is_ok() != serving {
+            serving = writable.is_ok();
+            match &writable {
+                Ok(()) => tracing::info!("the store takes writes again: SERVING"),
+                Err(error) => tracing::warn!(%error, "the store refuses writes: NOT_SERVING"),
+            }
+            let status = if serving {
                 ServingStatus::Serving
             } else {
                 ServingStatus::NotServing
             };
             set_health(&health, status).await;
+        }
+    }
+}
+
+/// Runs the reaper every `interval`.
+async fn reap<S: Store>(
+    engine: Engine<S>,
+    interval: Duration,
+    batch: usize,
+    stop: impl Future<Output = ()>,
+) {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tokio::pin!(stop);
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            () = &mut stop => return,
         }
         // A full batch means more may be waiting: go on, yielding in between.
         loop {

@@ -3,140 +3,18 @@
 
 use std::{
     collections::HashMap,
-    io::{BufRead, BufReader},
     net::SocketAddr,
-    path::Path,
-    process::{Child, Command, Stdio},
+    process::Command,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
+mod common;
+
+use common::sidecar::{open_descriptors, Sidecar, BINARY};
 use dedupd::proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient};
 use rand::Rng;
 use serde_json::Value;
-
-const BINARY: &str = env!("CARGO_BIN_EXE_dedupd");
-
-struct Sidecar {
-    child: Child,
-    addr: SocketAddr,
-    log: Arc<Mutex<Vec<String>>>,
-    ready_dir: tempfile::TempDir,
-}
-
-impl Sidecar {
-    /// Starts the binary on an ephemeral port and waits (bounded) until it
-    /// writes its ready file, which names the port.
-    fn start(data_dir: &Path) -> Sidecar {
-        Sidecar::start_with(data_dir, &[])
-    }
-
-    /// Like [`Sidecar::start`], with more flags.
-    fn start_with(data_dir: &Path, extra: &[&str]) -> Sidecar {
-        Sidecar::start_under(&[], data_dir, extra)
-    }
-
-    /// Like [`Sidecar::start_with`], run by `launcher` (e.g. `prlimit …`),
-    /// which must exec the binary so it keeps the child's process ID.
-    fn start_under(launcher: &[&str], data_dir: &Path, extra: &[&str]) -> Sidecar {
-        let ready_dir = tempfile::tempdir().unwrap();
-        let ready_file = ready_dir.path().join("ready.json");
-        let mut command = match launcher.split_first() {
-            Some((program, args)) => {
-                let mut command = Command::new(program);
-                command.args(args).arg(BINARY);
-                command
-            }
-            None => Command::new(BINARY),
-        };
-        let mut child = command
-            .args(extra)
-            .args([
-                "--listen",
-                "127.0.0.1:0",
-                "--metrics-listen",
-                "127.0.0.1:0",
-                "--log-format",
-                "json",
-                "--worker-threads",
-                "2",
-            ])
-            .arg("--data-dir")
-            .arg(data_dir)
-            .arg("--ready-file")
-            .arg(&ready_file)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn dedupd");
-        let stderr = child.stderr.take().expect("stderr");
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let lines = Arc::clone(&log);
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                lines.lock().unwrap().push(line);
-            }
-        });
-        let ready = wait_for_ready_file(&mut child, &ready_file, &log);
-        let addr = ready["grpc"][0]
-            .as_str()
-            .and_then(|addr| addr.parse().ok())
-            .unwrap_or_else(|| panic!("no gRPC address in the ready file: {ready}"));
-        Sidecar {
-            child,
-            addr,
-            log,
-            ready_dir,
-        }
-    }
-
-    async fn client(&self) -> ClaimAndCommitClient<tonic::transport::Channel> {
-        ClaimAndCommitClient::connect(format!("http://{}", self.addr))
-            .await
-            .expect("connect")
-    }
-
-    fn kill_9(mut self) {
-        self.child.kill().expect("SIGKILL");
-        self.child.wait().expect("reap");
-    }
-
-    fn log_text(&self) -> String {
-        self.log.lock().unwrap().join("\n")
-    }
-}
-
-impl Drop for Sidecar {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Waits (bounded) until `child` writes `path`, and returns what it says;
-/// panics with the log if the child exits or takes longer than 20 s.
-fn wait_for_ready_file(child: &mut Child, path: &Path, log: &Mutex<Vec<String>>) -> Value {
-    let started = Instant::now();
-    loop {
-        if let Ok(text) = std::fs::read_to_string(path) {
-            return serde_json::from_str(&text).expect("the ready file is JSON");
-        }
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!(
-                "dedupd exited with {status} before it was ready: {:?}",
-                log.lock().unwrap()
-            );
-        }
-        if started.elapsed() > Duration::from_secs(20) {
-            let _ = child.kill();
-            panic!(
-                "dedupd was not ready within 20 s: {:?}",
-                log.lock().unwrap()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
 
 fn claim_request(id: &str) -> pb::ClaimRequest {
     pb::ClaimRequest {
@@ -471,11 +349,6 @@ fn health_readyz_asks_the_ops_port() {
     sidecar.kill_9();
     let (code, stdout) = health(&metrics);
     assert_eq!(code, Some(1), "{stdout}");
-}
-
-/// Open descriptors of process `pid`.
-fn open_descriptors(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
 }
 
 /// Defect: running out of file descriptors used to kill the store until a

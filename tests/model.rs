@@ -13,7 +13,7 @@ use dedupd::{
     engine::Engine,
     store::{
         memory::MemoryStore,
-        sled::{SledConfig, SledStore, SyncMode},
+        sled::{SledConfig, SledStore},
         Store,
     },
     Error,
@@ -319,9 +319,8 @@ proptest! {
             let mut model = Model { now: 1_000_000, ..Model::default() };
             let mut memory = Subject::new(MemoryStore::new(), &clock);
             let sled_store = SledStore::open(&SledConfig {
-                path: dir.path().to_path_buf(),
-                sync: SyncMode::Always,
                 cache_capacity_bytes: 4 << 20,
+                ..SledConfig::new(dir.path())
             })
             .unwrap();
             let mut sled = Subject::new(sled_store, &clock);

@@ -6,7 +6,7 @@
 use std::{process::Command, sync::Arc};
 
 use dedupd::{
-    store::sled::{SledConfig, SledStore, SyncMode},
+    store::sled::{SledConfig, SledStore},
     ServerConfig,
 };
 use serde_json::Value;
@@ -43,9 +43,8 @@ async fn every_target_and_workload_runs_and_checks_itself() {
     let dir = tempfile::tempdir().unwrap();
     let store = Arc::new(
         SledStore::open(&SledConfig {
-            path: dir.path().to_path_buf(),
-            sync: SyncMode::Always,
             cache_capacity_bytes: 16 << 20,
+            ..SledConfig::new(dir.path())
         })
         .unwrap(),
     );

@@ -8,6 +8,7 @@
 //! returns.
 
 pub mod codec;
+mod disk;
 pub mod memory;
 pub mod sled;
 
@@ -92,8 +93,15 @@ pub trait Store: Send + Sync + 'static {
         budget: usize,
     ) -> impl Future<Output = Result<ReapReport, Error>> + Send;
 
-    /// `Ok` while the store is open and writable.
+    /// `Ok` while the store works; an error here is permanent (a failed or
+    /// stalled sync): the process should restart.
     fn health(&self) -> Result<(), Error>;
+
+    /// `Ok` while the store takes writes: healthy, and not short of disk
+    /// space. Unlike [`Store::health`] this passes by itself.
+    fn writable(&self) -> Result<(), Error> {
+        self.health()
+    }
 
     /// Size figures for metrics (may be cached for a while).
     fn stats(&self) -> impl Future<Output = StoreStats> + Send;

@@ -33,13 +33,15 @@ use std::{
         mpsc, Arc, Mutex, OnceLock,
     },
     thread,
+    time::{Duration, Instant},
 };
 
 use sled::IVec;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 
 use super::{
     codec::{decode_mark, decode_record, encode_mark, encode_record},
+    disk::{DiskSpace, WriteKind},
     CommitObserver, IssueFencing, ReapReport, Store, StoreStats,
 };
 use crate::{
@@ -82,6 +84,26 @@ pub struct SledConfig {
     pub sync: SyncMode,
     /// sled's page cache size in bytes.
     pub cache_capacity_bytes: u64,
+    /// Writes are refused while the filesystem has less than this free (0:
+    /// never), so sled never meets a full disk.
+    pub disk_reserve_bytes: u64,
+    /// A disk sync that takes longer than this means the store stopped
+    /// answering: it fails for good (fail-stop) instead of hanging callers.
+    pub stall_timeout: Duration,
+}
+
+impl SledConfig {
+    /// `path` with the defaults: `sync = always`, a 64 MiB cache, a 64 MiB
+    /// disk reserve and a 30 s stall timeout.
+    pub fn new(path: impl Into<PathBuf>) -> SledConfig {
+        SledConfig {
+            path: path.into(),
+            sync: SyncMode::Always,
+            cache_capacity_bytes: 64 << 20,
+            disk_reserve_bytes: 64 << 20,
+            stall_timeout: Duration::from_secs(30),
+        }
+    }
 }
 
 /// Background flush interval when `sync = none`.
@@ -105,9 +127,90 @@ struct Inner {
     log_file: Arc<File>,
     sync: SyncMode,
     counters: Arc<WriteCounters>,
-    failure: Arc<OnceLock<String>>,
+    failure: Arc<Failure>,
     committer: Mutex<Option<Committer>>,
     stats: Mutex<Option<(std::time::Instant, StoreStats)>>,
+    space: DiskSpace,
+    stall: Arc<StallWatch>,
+}
+
+/// The store's permanent failure: set once, never cleared; callers waiting
+/// for a sync are woken when it is set.
+#[derive(Debug)]
+struct Failure {
+    reason: OnceLock<String>,
+    failed: watch::Sender<bool>,
+}
+
+impl Failure {
+    fn new() -> Self {
+        Failure {
+            reason: OnceLock::new(),
+            failed: watch::Sender::new(false),
+        }
+    }
+
+    fn get(&self) -> Option<&String> {
+        self.reason.get()
+    }
+
+    /// Fails the store with `reason` (the first reason wins; it is logged
+    /// once) and wakes every caller waiting for a sync.
+    fn fail(&self, reason: String) -> String {
+        let mut first = false;
+        let reason = self
+            .reason
+            .get_or_init(|| {
+                first = true;
+                reason
+            })
+            .clone();
+        if first {
+            tracing::error!(%reason, "the store failed for good: NOT_SERVING; the process stops");
+        }
+        self.failed.send_replace(true);
+        reason
+    }
+
+    /// Resolves once the store has failed.
+    async fn failed(&self) {
+        let mut failed = self.failed.subscribe();
+        let _ = failed.wait_for(|failed| *failed).await;
+    }
+}
+
+/// Notices a disk sync that never returns (sled wedged by a full disk, a
+/// dead device): the committer stamps when each sync starts, health checks
+/// compare against the limit.
+#[derive(Debug)]
+struct StallWatch {
+    opened: Instant,
+    /// Milliseconds after `opened` when the running sync started; 0: none.
+    sync_started_ms: AtomicU64,
+    limit: Duration,
+}
+
+impl StallWatch {
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.opened.elapsed().as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1)
+    }
+
+    fn starting(&self) {
+        self.sync_started_ms.store(self.now_ms(), SeqCst);
+    }
+
+    fn done(&self) {
+        self.sync_started_ms.store(0, SeqCst);
+    }
+
+    /// How long the running sync has taken, if it is over the limit.
+    fn stalled(&self) -> Option<Duration> {
+        let started = self.sync_started_ms.load(SeqCst);
+        let running = Duration::from_millis(self.now_ms().saturating_sub(started));
+        (started != 0 && running > self.limit).then_some(running)
+    }
 }
 
 /// Counting records walks the whole tree: do it at most this often.
@@ -206,7 +309,14 @@ impl SledStore {
         sync_directory(&config.path)?;
 
         let counters = Arc::new(WriteCounters::default());
-        let failure = Arc::new(OnceLock::new());
+        let failure = Arc::new(Failure::new());
+        let stall = Arc::new(StallWatch {
+            opened: Instant::now(),
+            sync_started_ms: AtomicU64::new(0),
+            limit: config.stall_timeout,
+        });
+        let space = DiskSpace::new(config.path.clone(), config.disk_reserve_bytes);
+        space.refresh()?;
         let committer = match config.sync {
             SyncMode::Always => Some(spawn_committer(
                 db.clone(),
@@ -214,6 +324,7 @@ impl SledStore {
                 BlobSyncer::new(config.path.join("blobs")),
                 Arc::clone(&counters),
                 Arc::clone(&failure),
+                Arc::clone(&stall),
                 observer,
             )?),
             SyncMode::None => None,
@@ -230,6 +341,8 @@ impl SledStore {
                 failure,
                 committer: Mutex::new(committer),
                 stats: Mutex::new(None),
+                space,
+                stall,
             }),
         })
     }
@@ -263,9 +376,14 @@ impl Inner {
         current: (Option<IVec>, Option<UnixMillis>),
         replacement: (Option<Vec<u8>>, Option<UnixMillis>),
     ) -> Result<bool, Error> {
-        let _write = WriteGuard::new(&self.counters);
         let (current_bytes, current_expiry) = current;
         let (replacement_bytes, replacement_expiry) = replacement;
+        self.space.admit(if replacement_bytes.is_some() {
+            WriteKind::Put
+        } else {
+            WriteKind::Delete
+        })?;
+        let _write = WriteGuard::new(&self.counters);
         if let Some(at) = replacement_expiry.filter(|&at| Some(at) != current_expiry) {
             self.expiry.insert(expiry_key(at, kind, key), &[])?;
         }
@@ -416,9 +534,16 @@ impl Store for SledStore {
         if !queued {
             return Err(Error::Unavailable("the store is closed".into()));
         }
-        match synced.await {
-            Ok(result) => result.map_err(Error::from),
-            Err(_) => Err(Error::Unavailable("the store is closed".into())),
+        tokio::select! {
+            synced = synced => match synced {
+                Ok(result) => result.map_err(Error::from),
+                Err(_) => Err(Error::Unavailable("the store is closed".into())),
+            },
+            // A wedged sync never answers: the stall watch fails the store
+            // and wakes everyone here instead.
+            () = inner.failure.failed() => Err(self.health().err().unwrap_or_else(|| {
+                Error::Unavailable("the store failed".into())
+            })),
         }
     }
 
@@ -430,10 +555,23 @@ impl Store for SledStore {
     }
 
     fn health(&self) -> Result<(), Error> {
-        match self.inner.failure.get() {
+        let inner = &self.inner;
+        if let Some(running) = inner.stall.stalled() {
+            let reason = format!(
+                "the store stopped answering: a disk sync has run for {} (over the stall timeout); restart dedupd",
+                crate::api::human_duration(Duration::from_secs(running.as_secs()))
+            );
+            inner.failure.fail(reason);
+        }
+        match inner.failure.get() {
             Some(reason) => Err(Error::Unavailable(reason.clone())),
             None => Ok(()),
         }
+    }
+
+    fn writable(&self) -> Result<(), Error> {
+        self.health()?;
+        self.inner.space.writable()
     }
 
     async fn stats(&self) -> StoreStats {
@@ -479,7 +617,8 @@ fn spawn_committer(
     log_file: Arc<File>,
     mut blobs: BlobSyncer,
     counters: Arc<WriteCounters>,
-    failure: Arc<OnceLock<String>>,
+    failure: Arc<Failure>,
+    stall: Arc<StallWatch>,
     observer: Option<Arc<dyn CommitObserver>>,
 ) -> Result<Committer, Error> {
     let (queue, waiters) = mpsc::channel::<Waiter>();
@@ -495,11 +634,13 @@ fn spawn_committer(
                     None => {
                         let finished = counters.finished.load(SeqCst);
                         let started = std::time::Instant::now();
+                        stall.starting();
                         let flushed = db.flush().map_err(Error::from);
                         let flush_time = started.elapsed();
                         let synced = flushed
                             .and_then(|_| log_file.sync_data().map_err(Error::from))
                             .and_then(|()| blobs.sync_new());
+                        stall.done();
                         let elapsed = started.elapsed();
                         tracing::trace!(
                             group = batch.len(),
@@ -526,8 +667,7 @@ fn spawn_committer(
                                 // dropped the dirty pages: retrying could
                                 // report success for lost data. Fail for good.
                                 let reason = format!("disk sync failed ({error}); restart dedupd");
-                                tracing::error!(%error, "disk sync failed; the store stops serving");
-                                Err(SyncRefusal::Failed(failure.get_or_init(|| reason).clone()))
+                                Err(SyncRefusal::Failed(failure.fail(reason)))
                             }
                         }
                     }

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod sidecar;
+
 use std::{
     net::SocketAddr,
     path::{Path, PathBuf},
@@ -22,7 +24,7 @@ use dedupd::{
     server::ServerConfig,
     store::{
         memory::MemoryStore,
-        sled::{SledConfig, SledStore, SyncMode},
+        sled::{SledConfig, SledStore},
         IssueFencing, ReapReport, Store, StoreStats,
     },
     Error, ListenAddr, Listener, Listeners, Metrics,
@@ -228,9 +230,8 @@ impl<S: Store> TestServer<S> {
 
 pub fn sled_config(path: &Path) -> SledConfig {
     SledConfig {
-        path: path.to_path_buf(),
-        sync: SyncMode::Always,
         cache_capacity_bytes: 16 << 20,
+        ..SledConfig::new(path)
     }
 }
 

@@ -1,0 +1,110 @@
+//! The free-space guard of an embedded store: writes are refused while the
+//! filesystem holding the data has less than a reserve free, so the store's
+//! own writes never meet a full disk (sled 0.34 wedges its flush for good
+//! when a log write fails with ENOSPC). Reads, and writes that change
+//! nothing, never ask; deletes may go on down to half the reserve, so the
+//! reaper can still make room. The figure is read with `statvfs`, at most
+//! every [`REFRESH`] while space is plentiful and on every write once it is
+//! within twice the reserve.
+
+use std::{
+    io,
+    path::PathBuf,
+    sync::{
+        atomic::{AtomicU64, Ordering::Relaxed},
+        Mutex,
+    },
+    time::{Duration, Instant},
+};
+
+use crate::{api::human_bytes, error::Error};
+
+/// How old the free-space figure may be while space is plentiful.
+const REFRESH: Duration = Duration::from_millis(100);
+
+/// What a write is about to do to the store's size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WriteKind {
+    /// Stores a record: needs the full reserve free.
+    Put,
+    /// Removes one: allowed down to half the reserve.
+    Delete,
+}
+
+/// Free space of one filesystem against a reserve.
+#[derive(Debug)]
+pub(crate) struct DiskSpace {
+    path: PathBuf,
+    reserve: u64,
+    free: AtomicU64,
+    checked_at: Mutex<Option<Instant>>,
+}
+
+impl DiskSpace {
+    /// Watches the filesystem holding `path`; `reserve` 0 turns the guard off.
+    pub(crate) fn new(path: PathBuf, reserve: u64) -> Self {
+        DiskSpace {
+            path,
+            reserve,
+            free: AtomicU64::new(u64::MAX),
+            checked_at: Mutex::new(None),
+        }
+    }
+
+    /// Bytes free for unprivileged writers, as last read.
+    pub(crate) fn free(&self) -> u64 {
+        self.free.load(Relaxed)
+    }
+
+    /// Reads the free space now.
+    pub(crate) fn refresh(&self) -> io::Result<u64> {
+        let stat = rustix::fs::statvfs(&self.path)?;
+        let free = stat.f_bavail.saturating_mul(stat.f_frsize);
+        self.free.store(free, Relaxed);
+        *self.checked_at.lock().expect("disk space lock") = Some(Instant::now());
+        Ok(free)
+    }
+
+    fn current(&self) -> io::Result<u64> {
+        let cached = self.free();
+        let fresh = self
+            .checked_at
+            .lock()
+            .expect("disk space lock")
+            .is_some_and(|at| at.elapsed() < REFRESH);
+        if fresh && cached > self.reserve.saturating_mul(2) {
+            Ok(cached)
+        } else {
+            self.refresh()
+        }
+    }
+
+    /// `Ok` when a write of `kind` leaves the reserve alone; otherwise
+    /// [`Error::DiskFull`], which changes nothing.
+    pub(crate) fn admit(&self, kind: WriteKind) -> Result<(), Error> {
+        if self.reserve == 0 {
+            return Ok(());
+        }
+        let needed = match kind {
+            WriteKind::Put => self.reserve,
+            WriteKind::Delete => self.reserve / 2,
+        };
+        let free = self.current()?;
+        if free >= needed {
+            return Ok(());
+        }
+        Err(Error::DiskFull(io::Error::new(
+            io::ErrorKind::StorageFull,
+            format!(
+                "{} free on the data directory's filesystem, below the --disk-reserve of {}",
+                human_bytes(free),
+                human_bytes(self.reserve)
+            ),
+        )))
+    }
+
+    /// `Ok` while writes are admitted; for health reports.
+    pub(crate) fn writable(&self) -> Result<(), Error> {
+        self.admit(WriteKind::Put)
+    }
+}
