@@ -26,6 +26,7 @@ const MAX_CONSUMER_VERSION_BYTES: usize = 64;
 const MAX_OWNER_BYTES: usize = 256;
 const MAX_FINGERPRINT_BYTES: usize = 256;
 const MAX_ORDERING_KEY_BYTES: usize = 256;
+const MAX_REQUEST_ID_BYTES: usize = 128;
 
 /// The server's limits (protocol §5, docs/protocol.md).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -333,6 +334,7 @@ impl<'a> Checker<'a> {
                 None
             }
         };
+        let request_id = self.text("request_id", &request.request_id, MAX_REQUEST_ID_BYTES);
         Some(domain::ClaimRequest {
             key: key?,
             lease_ttl,
@@ -342,6 +344,7 @@ impl<'a> Checker<'a> {
             owner,
             payload_fingerprint,
             ordering,
+            request_id,
         })
     }
 

@@ -113,6 +113,10 @@ pub enum ClientCommand {
         /// Sequence within the ordering key.
         #[arg(long)]
         sequence: Option<u64>,
+        /// Your ID for this claim (e.g. a UUID per delivery): retried with
+        /// the same ID while its lease lives, the same claim comes back.
+        #[arg(long, default_value = "")]
+        request_id: String,
     },
     /// Commit a claim after the business write.
     Commit {
@@ -233,6 +237,7 @@ async fn call(command: ClientCommand, connection: &Connection) -> Result<(i32, V
             fingerprint,
             ordering_key,
             sequence,
+            request_id,
             ..
         } => {
             let answer = client
@@ -247,6 +252,7 @@ async fn call(command: ClientCommand, connection: &Connection) -> Result<(i32, V
                     payload_fingerprint: fingerprint,
                     ordering_key,
                     sequence,
+                    request_id,
                 })
                 .await?
                 .into_inner();

@@ -222,6 +222,11 @@ pub struct Record {
     pub response: Vec<u8>,
     /// The ordering position given at claim.
     pub ordering: Option<OrderingPosition>,
+    /// The client's ID of the latest Claim (empty: none given), so that the
+    /// same Claim retried gets the same claim back.
+    pub request_id: String,
+    /// Whether the latest claim took over an expired one.
+    pub recovered: bool,
 }
 
 /// A validated Claim.
@@ -243,6 +248,9 @@ pub struct ClaimRequest {
     pub payload_fingerprint: String,
     /// The ordering position, when the guard is used.
     pub ordering: Option<OrderingPosition>,
+    /// The client's ID of this Claim (empty: none): retried while the claim
+    /// it made is live, the same claim is answered again.
+    pub request_id: String,
 }
 
 /// A validated Commit.

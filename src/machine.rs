@@ -74,6 +74,17 @@ pub fn claim<E>(
                 let record = record.clone();
                 return Ok((Change::Keep, ClaimOutcome::Duplicate { record }));
             }
+            RecordState::Claimed
+                if now < record.lease_expires_at
+                    && !request.request_id.is_empty()
+                    && request.request_id == record.request_id =>
+            {
+                // The same Claim retried (its answer was lost on the way):
+                // the same claim again, never a second holder.
+                let recovered = record.recovered;
+                let record = record.clone();
+                return Ok((Change::Keep, ClaimOutcome::Claimed { record, recovered }));
+            }
             RecordState::Claimed if now < record.lease_expires_at => {
                 let retry_after = record.lease_expires_at.saturating_since(now);
                 let record = record.clone();
@@ -123,6 +134,8 @@ pub fn claim<E>(
         retention: request.retention,
         response: Vec::new(),
         ordering: request.ordering.clone(),
+        request_id: request.request_id.clone(),
+        recovered,
     };
     Ok((
         Change::Put(record.clone()),
@@ -283,6 +296,7 @@ mod tests {
             owner: "pod-a".into(),
             payload_fingerprint: String::new(),
             ordering: None,
+            request_id: String::new(),
         }
     }
 
@@ -584,6 +598,46 @@ mod tests {
             release(Some(&committed_record()), &holder, T0),
             (Change::Keep, Err(LeaseLost))
         );
+    }
+
+    #[test]
+    fn claim_retried_with_its_request_id_gets_the_same_claim_back() {
+        let first = ClaimRequest {
+            request_id: "delivery-7".into(),
+            ..claim_request()
+        };
+        let held = put(claim_with(None, &first, T0, 1, 10).0);
+        let (change, outcome) = claim_with(Some(&held), &first, at(Duration::from_secs(5)), 2, 11);
+        assert_eq!(change, Change::Keep);
+        assert_eq!(
+            outcome,
+            ClaimOutcome::Claimed {
+                record: held.clone(),
+                recovered: false
+            }
+        );
+        // Another request ID, or none, is someone else: IN_PROGRESS.
+        for other in ["delivery-8", ""] {
+            let request = ClaimRequest {
+                request_id: other.into(),
+                ..claim_request()
+            };
+            let (_, outcome) = claim_with(Some(&held), &request, at(Duration::from_secs(5)), 2, 11);
+            assert!(
+                matches!(outcome, ClaimOutcome::InProgress { .. }),
+                "{other:?}"
+            );
+        }
+        // Once the lease ended, the retry is a new (recovered) claim.
+        let (change, outcome) = claim_with(Some(&held), &first, at(LEASE), 3, 12);
+        assert_eq!(put(change).fencing_token, FencingToken(12));
+        assert!(matches!(
+            outcome,
+            ClaimOutcome::Claimed {
+                recovered: true,
+                ..
+            }
+        ));
     }
 
     #[test]

@@ -648,3 +648,39 @@ async fn one_mebibyte_responses_survive_a_restart() {
     }
     server.stop().await.unwrap();
 }
+
+/// A Claim whose answer was lost is retried with the same request_id: the
+/// same claim comes back (AIP-155), never a second holder.
+#[tokio::test]
+async fn a_retried_claim_with_its_request_id_gets_its_claim_back() {
+    let server = TestServer::start().await;
+    let mut client = server.client().await;
+    let request = pb::ClaimRequest {
+        request_id: "7d0c3a5e-delivery".into(),
+        ..claim_request("lost-answer")
+    };
+    let first = claim(&mut client, request.clone()).await;
+    let again = claim(&mut client, request.clone()).await;
+    assert_eq!(outcome(&again), Outcome::Claimed);
+    assert_eq!(again.lease_token, first.lease_token);
+    assert_eq!(again.fencing_token, first.fencing_token);
+    assert_eq!(again.attempt, 1);
+    let stranger = claim(
+        &mut client,
+        pb::ClaimRequest {
+            request_id: "another-delivery".into(),
+            ..claim_request("lost-answer")
+        },
+    )
+    .await;
+    assert_eq!(outcome(&stranger), Outcome::InProgress);
+    client
+        .commit(commit_request("lost-answer", &again.lease_token))
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome(&claim(&mut client, request).await),
+        Outcome::Duplicate
+    );
+    server.stop().await.unwrap();
+}

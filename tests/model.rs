@@ -32,7 +32,9 @@ enum TokenChoice {
 
 #[derive(Debug, Clone)]
 enum Op {
-    Claim(usize),
+    /// A claim of a key, with a request ID from a small set (or none), so
+    /// retried claims meet the claims they made.
+    Claim(usize, Option<u8>),
     Commit(usize, TokenChoice),
     Release(usize, TokenChoice),
     Advance(u64),
@@ -44,7 +46,8 @@ fn op() -> impl Strategy<Value = Op> {
     let key = 0..KEYS;
     let choice = prop_oneof![3 => Just(TokenChoice::Latest), 1 => Just(TokenChoice::Previous)];
     prop_oneof![
-        4 => key.clone().prop_map(Op::Claim),
+        4 => (key.clone(), prop_oneof![Just(None), Just(Some(1u8)), Just(Some(2u8))])
+            .prop_map(|(k, r)| Op::Claim(k, r)),
         3 => (key.clone(), choice.clone()).prop_map(|(k, c)| Op::Commit(k, c)),
         2 => (key.clone(), choice).prop_map(|(k, c)| Op::Release(k, c)),
         3 => prop_oneof![Just(1u64), Just(9), Just(10), Just(11), Just(60), Just(111)].prop_map(Op::Advance),
@@ -69,6 +72,8 @@ struct ModelRecord {
     lease_until: u64,
     retain_until: u64,
     attempt: u32,
+    request_id: Option<u8>,
+    recovered: bool,
 }
 
 #[derive(Debug, Default)]
@@ -97,8 +102,16 @@ impl Model {
     fn apply(&mut self, op: &Op) -> String {
         let now = self.now;
         match *op {
-            Op::Claim(key) => match self.live(key) {
+            Op::Claim(key, request_id) => match self.live(key) {
                 Some(r) if r.state == ModelState::Committed => "DUPLICATE".into(),
+                Some(r)
+                    if r.state == ModelState::Claimed
+                        && now < r.lease_until
+                        && request_id.is_some()
+                        && request_id == r.request_id =>
+                {
+                    format!("CLAIMED attempt={} recovered={}", r.attempt, r.recovered)
+                }
                 Some(r) if r.state == ModelState::Claimed && now < r.lease_until => {
                     "IN_PROGRESS".into()
                 }
@@ -115,6 +128,8 @@ impl Model {
                             lease_until: now + LEASE_SECS * 1000,
                             retain_until: now + (LEASE_SECS + RETENTION_SECS) * 1000,
                             attempt,
+                            request_id,
+                            recovered,
                         },
                     );
                     format!("CLAIMED attempt={attempt} recovered={recovered}")
@@ -222,7 +237,7 @@ impl<S: Store> Subject<S> {
 
     async fn apply(&mut self, op: &Op) -> Result<String, Error> {
         Ok(match *op {
-            Op::Claim(index) => {
+            Op::Claim(index, request_id) => {
                 let request = ClaimRequest {
                     key: key(index),
                     lease_ttl: Duration::from_secs(LEASE_SECS),
@@ -232,20 +247,27 @@ impl<S: Store> Subject<S> {
                     owner: String::new(),
                     payload_fingerprint: String::new(),
                     ordering: None,
+                    request_id: request_id.map(|id| format!("req-{id}")).unwrap_or_default(),
                 };
                 match self.engine.claim(&request).await? {
                     ClaimOutcome::Claimed { record, recovered } => {
-                        assert!(
-                            record.fencing_token.0 > self.last_fencing,
-                            "fencing token went from {} to {}",
-                            self.last_fencing,
-                            record.fencing_token.0
-                        );
-                        self.last_fencing = record.fencing_token.0;
-                        self.tokens
-                            .entry(index)
-                            .or_default()
-                            .push(record.lease_token);
+                        let issued = self.tokens.entry(index).or_default();
+                        if issued.last() == Some(&record.lease_token) {
+                            // A retried claim answered again: the same one.
+                            assert!(
+                                request_id.is_some(),
+                                "a claim came back without a request ID"
+                            );
+                        } else {
+                            assert!(
+                                record.fencing_token.0 > self.last_fencing,
+                                "fencing token went from {} to {}",
+                                self.last_fencing,
+                                record.fencing_token.0
+                            );
+                            self.last_fencing = record.fencing_token.0;
+                            issued.push(record.lease_token);
+                        }
                         format!("CLAIMED attempt={} recovered={recovered}", record.attempt)
                     }
                     ClaimOutcome::Duplicate { .. } => "DUPLICATE".into(),

@@ -49,6 +49,10 @@ struct StoredRecord {
     ordering_key: Option<String>,
     #[prost(uint64, tag = "17")]
     sequence: u64,
+    #[prost(string, tag = "18")]
+    request_id: String,
+    #[prost(bool, tag = "19")]
+    recovered: bool,
 }
 
 /// Encodes a record.
@@ -71,6 +75,8 @@ pub fn encode_record(record: &Record) -> Vec<u8> {
         response: record.response.clone(),
         ordering_key: record.ordering.as_ref().map(|o| o.ordering_key.clone()),
         sequence: record.ordering.as_ref().map_or(0, |o| o.sequence),
+        request_id: record.request_id.clone(),
+        recovered: record.recovered,
     };
     stored.encode_to_vec()
 }
@@ -102,6 +108,8 @@ pub fn decode_record(bytes: &[u8]) -> Result<Record, Error> {
             ordering_key,
             sequence,
         }),
+        request_id: stored.request_id,
+        recovered: stored.recovered,
     })
 }
 
@@ -152,6 +160,8 @@ mod tests {
                 ordering_key: "account-1".into(),
                 sequence: 0,
             }),
+            request_id: "7f1c".into(),
+            recovered: true,
         };
         assert_eq!(decode_record(&encode_record(&record)).unwrap(), record);
         let bare = Record {
