@@ -37,7 +37,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "maxBatchSize" "DEDUPD_MAX_BATCH_SIZE" "maxMessageBytes" "DEDUPD_MAX_MESSAGE_BYTES"
   "reaperInterval" "DEDUPD_REAPER_INTERVAL" "shutdownGrace" "DEDUPD_SHUTDOWN_GRACE"
   "requestTimeout" "DEDUPD_REQUEST_TIMEOUT" "maxConcurrentRequests" "DEDUPD_MAX_CONCURRENT_REQUESTS"
-  "logFormat" "DEDUPD_LOG_FORMAT" "log" "DEDUPD_LOG" "workerThreads" "DEDUPD_WORKER_THREADS" }}
+  "logFormat" "DEDUPD_LOG_FORMAT" "log" "DEDUPD_LOG" "workerThreads" "DEDUPD_WORKER_THREADS"
+  "requestReadTimeout" "DEDUPD_REQUEST_READ_TIMEOUT" "maxConnections" "DEDUPD_MAX_CONNECTIONS"
+  "maxStreamsPerConnection" "DEDUPD_MAX_STREAMS_PER_CONNECTION" "maxConnectionAge" "DEDUPD_MAX_CONNECTION_AGE"
+  "diskReserveMb" "DEDUPD_DISK_RESERVE_MB" "storeStallTimeout" "DEDUPD_STORE_STALL_TIMEOUT" }}
 {{- range $key, $value := .Values.config }}
 {{- if not (hasKey $names $key) }}
 {{- fail (printf "config.%s is not a dedupd setting" $key) }}
