@@ -11,7 +11,7 @@ use std::{
 
 mod common;
 
-use common::sidecar::{open_descriptors, Sidecar, BINARY};
+use common::sidecar::{open_descriptors, terminate, Sidecar, BINARY};
 use dedupd::proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient};
 use rand::Rng;
 use serde_json::Value;
@@ -363,7 +363,7 @@ async fn running_out_of_descriptors_is_an_overload_that_passes() {
     let sidecar = Sidecar::start_under(
         &["prlimit", "--nofile=200:1000"],
         dir.path(),
-        &["--max-connections", "5000"],
+        &["--max-connections", "5000", "--shutdown-grace", "3s"],
     );
     let log = sidecar.log_text();
     assert!(
@@ -426,6 +426,18 @@ async fn running_out_of_descriptors_is_an_overload_that_passes() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     claim_and_commit(&mut client, "fd-after").await;
+
+    // SIGTERM with the descriptors exhausted again ends within the grace.
+    let lowered = Command::new("prlimit")
+        .args(["--pid", &pid.to_string(), "--nofile=120:120"])
+        .status()
+        .unwrap();
+    assert!(lowered.success());
+    let _idle: Vec<_> = (0..200)
+        .map(|_| std::net::TcpStream::connect(sidecar.addr).unwrap())
+        .collect();
+    let (code, log) = terminate(sidecar);
+    assert_eq!(code, Some(0), "{log}");
 }
 
 async fn claim_and_commit(client: &mut ClaimAndCommitClient<tonic::transport::Channel>, id: &str) {

@@ -13,7 +13,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::sidecar::Sidecar;
+use common::sidecar::{terminate, Sidecar};
 use dedupd::proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient};
 use tonic::{transport::Channel, Code};
 
@@ -191,29 +191,6 @@ async fn a_full_disk_refuses_writes_and_recovers_by_itself() {
     // And the process still stops cleanly within its grace.
     let exit = terminate(sidecar);
     assert_eq!(exit.0, Some(0), "{}", exit.1);
-}
-
-/// Sends SIGTERM and waits (bounded by 15 s) for the exit; returns the exit
-/// code and the log.
-fn terminate(mut sidecar: Sidecar) -> (Option<i32>, String) {
-    let pid = sidecar.child.id().to_string();
-    assert!(Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap()
-        .success());
-    let started = Instant::now();
-    loop {
-        if let Some(status) = sidecar.child.try_wait().unwrap() {
-            return (status.code(), sidecar.log_text());
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(15),
-            "still running 15 s after SIGTERM (grace 3 s): {}",
-            sidecar.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// Defects 1 and 2 without the reserve: sled meets the full disk and its

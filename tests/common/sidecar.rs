@@ -140,3 +140,26 @@ fn wait_for_ready_file(child: &mut Child, path: &Path, log: &Mutex<Vec<String>>)
 pub fn open_descriptors(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
 }
+
+/// Sends SIGTERM and waits (bounded by 15 s) for the exit; returns the exit
+/// code and the log.
+pub fn terminate(mut sidecar: Sidecar) -> (Option<i32>, String) {
+    let pid = sidecar.child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let started = Instant::now();
+    loop {
+        if let Some(status) = sidecar.child.try_wait().unwrap() {
+            return (status.code(), sidecar.log_text());
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "still running 15 s after SIGTERM (grace 3 s): {}",
+            sidecar.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
