@@ -14,10 +14,13 @@ use crate::{
         HARD_MAX_RETENTION,
     },
     cli::ClientCommand,
-    credentials::{AuthSources, TlsFiles, TokenSource},
+    credentials::{AuthSources, StoreUrlSource, TlsFiles, TokenSource},
     listen::ListenAddr,
     server::ConnectionLimits,
-    store::sled::{SledConfig, SyncMode},
+    store::{
+        postgres::{check_schema, PostgresConfig},
+        sled::{SledConfig, SyncMode},
+    },
 };
 
 /// dedupd: a deduplication sidecar. Without a command it runs the server;
@@ -35,12 +38,25 @@ pub struct Cli {
 
 /// What to do.
 #[derive(Debug, Subcommand)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "parsed once at start; boxing would only add an allocation"
+)]
 pub enum Command {
     /// Run the sidecar (the default when no command is given).
     Serve(ServeArgs),
     /// A client command against a running sidecar.
     #[command(flatten)]
     Client(ClientCommand),
+}
+
+/// `--store`: where records live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StoreKind {
+    /// Embedded sled in --data-dir: one sidecar's own records.
+    Sled,
+    /// PostgreSQL at --store-url: every sidecar shares the records.
+    Postgres,
 }
 
 /// `--sync`, mapped onto the store's [`SyncMode`].
@@ -134,6 +150,27 @@ pub struct ServeArgs {
     /// long; clients reconnect.
     #[arg(long, env = "DEDUPD_MAX_CONNECTION_AGE", default_value = "1h")]
     pub max_connection_age: humantime::Duration,
+    /// Where records live: `sled` (embedded, one sidecar's own) or
+    /// `postgres` (shared by every sidecar; needs --store-url).
+    #[arg(long, env = "DEDUPD_STORE", value_enum, default_value_t = StoreKind::Sled)]
+    pub store: StoreKind,
+    /// The shared store's URL (`postgres://user:password@host:5432/db`);
+    /// prefer --store-url-file for one with a password.
+    #[arg(long, env = "DEDUPD_STORE_URL", hide_env_values = true)]
+    pub store_url: Option<String>,
+    /// File holding the shared store's URL (e.g. a mounted Secret).
+    #[arg(long, env = "DEDUPD_STORE_URL_FILE")]
+    pub store_url_file: Option<PathBuf>,
+    /// PostgreSQL schema for dedupd's tables (created if missing).
+    #[arg(long, env = "DEDUPD_STORE_SCHEMA", default_value = "dedupd")]
+    pub store_schema: String,
+    /// Connections to the shared store.
+    #[arg(long, env = "DEDUPD_STORE_POOL_SIZE", default_value_t = 16)]
+    pub store_pool_size: usize,
+    /// Longest one statement on the shared store may take (and a connection
+    /// attempt); longer is UNAVAILABLE.
+    #[arg(long, env = "DEDUPD_STORE_TIMEOUT", default_value = "5s")]
+    pub store_timeout: humantime::Duration,
     /// Directory of the embedded store (created if missing).
     #[arg(long, env = "DEDUPD_DATA_DIR", default_value = "./dedupd-data")]
     pub data_dir: PathBuf,
@@ -200,6 +237,20 @@ pub struct ServeArgs {
     pub ready_file: Option<PathBuf>,
 }
 
+/// The store to open.
+#[derive(Debug, Clone)]
+pub enum StoreSettings {
+    /// The embedded store.
+    Sled(SledConfig),
+    /// PostgreSQL; the URL is read by `main` (it may come from a file).
+    Postgres {
+        /// Where the URL comes from.
+        url: StoreUrlSource,
+        /// Schema, pool and timeout (the URL filled in once read).
+        config: PostgresConfig,
+    },
+}
+
 /// A validated server configuration: plain values, nothing opened or read.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -207,8 +258,8 @@ pub struct Settings {
     pub listen: Vec<ListenAddr>,
     /// Where to serve the ops endpoints.
     pub metrics_listen: Option<SocketAddr>,
-    /// The sled store's settings.
-    pub sled: SledConfig,
+    /// Which store, and how to reach it.
+    pub store: StoreSettings,
     /// Request limits and defaults.
     pub limits: Limits,
     /// The bearer tokens' sources.
@@ -271,6 +322,50 @@ impl ServeArgs {
                 client_ca: self.tls_client_ca.clone(),
             })),
             _ => Err("--tls-cert and --tls-key go together".into()),
+        }
+    }
+
+    fn store(&self, stall_timeout: Duration) -> Result<StoreSettings, String> {
+        let url = StoreUrlSource {
+            value: self.store_url.clone(),
+            file: self.store_url_file.clone(),
+        };
+        match self.store {
+            StoreKind::Sled => {
+                if url.value.is_some() || url.file.is_some() {
+                    return Err(
+                        "--store-url is for --store postgres (the default store is sled)".into(),
+                    );
+                }
+                Ok(StoreSettings::Sled(SledConfig {
+                    path: self.data_dir.clone(),
+                    sync: self.sync.into(),
+                    cache_capacity_bytes: self.cache_mb << 20,
+                    disk_reserve_bytes: self.disk_reserve_mb.saturating_mul(1 << 20),
+                    stall_timeout,
+                }))
+            }
+            StoreKind::Postgres => {
+                check_schema(&self.store_schema)
+                    .map_err(|problem| format!("--store-schema {problem}"))?;
+                if self.store_pool_size == 0 {
+                    return Err("--store-pool-size must be at least 1".into());
+                }
+                let statement_timeout = check_duration_flag(
+                    "store-timeout",
+                    self.store_timeout.into(),
+                    Duration::from_secs(600),
+                )?;
+                Ok(StoreSettings::Postgres {
+                    url,
+                    config: PostgresConfig {
+                        url: String::new(),
+                        schema: self.store_schema.clone(),
+                        pool_size: self.store_pool_size,
+                        statement_timeout,
+                    },
+                })
+            }
         }
     }
 
@@ -404,6 +499,7 @@ impl ServeArgs {
                 ));
             }
         }
+        let store = self.store(stall_timeout)?;
         let auth = self.auth();
         let tls = self.tls()?;
         self.check_exposure(&auth, tls.as_ref())?;
@@ -412,13 +508,7 @@ impl ServeArgs {
         Ok(Settings {
             listen: self.listen.clone(),
             metrics_listen,
-            sled: SledConfig {
-                path: self.data_dir.clone(),
-                sync: self.sync.into(),
-                cache_capacity_bytes: self.cache_mb << 20,
-                disk_reserve_bytes: self.disk_reserve_mb.saturating_mul(1 << 20),
-                stall_timeout,
-            },
+            store,
             limits: Limits {
                 default_lease_ttl,
                 max_lease_ttl,

@@ -63,6 +63,53 @@ impl TokenSource {
     }
 }
 
+/// Where the shared store's URL comes from: a flag or variable, or a file
+/// (for a URL that carries a password, e.g. a mounted Secret).
+#[derive(Clone, Default)]
+pub struct StoreUrlSource {
+    /// `--store-url` / `DEDUPD_STORE_URL`.
+    pub value: Option<String>,
+    /// `--store-url-file`.
+    pub file: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for StoreUrlSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreUrlSource")
+            .field(
+                "value",
+                &self
+                    .value
+                    .as_deref()
+                    .map(crate::store::postgres::redact_url),
+            )
+            .field("file", &self.file)
+            .finish()
+    }
+}
+
+impl StoreUrlSource {
+    /// The URL, checked; the problem in one line without the password.
+    pub fn load(&self) -> Result<String, String> {
+        let url = match (&self.value, &self.file) {
+            (Some(_), Some(_)) => {
+                return Err("give --store-url or --store-url-file, not both".into())
+            }
+            (Some(url), None) => url.clone(),
+            (None, Some(file)) => std::fs::read_to_string(file)
+                .map_err(|e| format!("--store-url-file {}: {e}", file.display()))?
+                .trim()
+                .to_owned(),
+            (None, None) => {
+                return Err("--store postgres needs --store-url or --store-url-file".into())
+            }
+        };
+        crate::store::postgres::check_url(&url)
+            .map_err(|problem| format!("--store-url {problem}"))?;
+        Ok(url)
+    }
+}
+
 /// The client token and the admin token.
 #[derive(Debug, Clone, Default)]
 pub struct AuthSources {

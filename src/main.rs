@@ -9,9 +9,13 @@ use clap::{error::ErrorKind, Parser};
 use dedupd::{
     cli,
     clock::SystemClock,
-    config::{Cli, Command, LogFormat, ServeArgs, Settings},
+    config::{Cli, Command, LogFormat, ServeArgs, Settings, StoreSettings},
     credentials::TlsFiles,
-    store::{sled::SledStore, CommitObserver},
+    store::{
+        postgres::{redact_url, PostgresConfig, PostgresStore},
+        sled::SledStore,
+        CommitObserver, Store,
+    },
     GuardConfig, Listener, Listeners, Metrics, ServerConfig,
 };
 use tokio::net::TcpListener;
@@ -68,8 +72,37 @@ fn runtime(worker_threads: usize) -> Result<tokio::runtime::Runtime, ExitCode> {
     })
 }
 
+/// Binds every listener and runs the server on `store` until shutdown.
+async fn serve_on<S: Store>(store: Arc<S>, settings: &Settings, server: ServerConfig) -> ExitCode {
+    let mut grpc = Vec::with_capacity(settings.listen.len());
+    for address in &settings.listen {
+        match Listener::bind(address).await {
+            Ok(listener) => grpc.push(listener),
+            Err(error) => {
+                tracing::error!(%error, listen = %address, "cannot listen");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    let ops = match settings.metrics_listen {
+        None => None,
+        Some(address) => match TcpListener::bind(address).await {
+            Ok(listener) => Some(listener),
+            Err(error) => {
+                tracing::error!(%error, listen = %address, "cannot listen for metrics");
+                return ExitCode::FAILURE;
+            }
+        },
+    };
+    let listeners = Listeners { grpc, ops };
+    match dedupd::run(listeners, store, server, shutdown_signal()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(_) => ExitCode::FAILURE,
+    }
+}
+
 fn serve(args: &ServeArgs) -> ExitCode {
-    let (settings, mut server) = match configure(args) {
+    let (settings, store, mut server) = match configure(args) {
         Ok(configured) => configured,
         Err(line) => {
             eprintln!("dedupd: invalid configuration: {line}");
@@ -84,38 +117,28 @@ fn serve(args: &ServeArgs) -> ExitCode {
         Err(code) => return code,
     };
     let code = runtime.block_on(async move {
-        let observer: Arc<dyn CommitObserver> = Arc::clone(&server.metrics) as _;
-        let store = match SledStore::open_observed(&settings.sled, Some(observer)) {
-            Ok(store) => Arc::new(store),
-            Err(error) => {
-                tracing::error!(%error, data_dir = %settings.sled.path.display(), "cannot open the store");
-                return ExitCode::FAILURE;
-            }
-        };
-        let mut grpc = Vec::with_capacity(settings.listen.len());
-        for address in &settings.listen {
-            match Listener::bind(address).await {
-                Ok(listener) => grpc.push(listener),
-                Err(error) => {
-                    tracing::error!(%error, listen = %address, "cannot listen");
-                    return ExitCode::FAILURE;
+        match &store {
+            StoreSettings::Sled(config) => {
+                let observer: Arc<dyn CommitObserver> = Arc::clone(&server.metrics) as _;
+                match SledStore::open_observed(config, Some(observer)) {
+                    Ok(store) => serve_on(Arc::new(store), &settings, server).await,
+                    Err(error) => {
+                        tracing::error!(%error, data_dir = %config.path.display(), "cannot open the store");
+                        ExitCode::FAILURE
+                    }
                 }
             }
-        }
-        let ops = match settings.metrics_listen {
-            None => None,
-            Some(address) => match TcpListener::bind(address).await {
-                Ok(listener) => Some(listener),
+            StoreSettings::Postgres { config, .. } => match PostgresStore::new(config) {
+                Ok(store) => {
+                    tracing::info!(url = %redact_url(&config.url), schema = %config.schema, "shared store: PostgreSQL");
+                    let _upkeep = store.keep_connected();
+                    serve_on(Arc::new(store), &settings, server).await
+                }
                 Err(error) => {
-                    tracing::error!(%error, listen = %address, "cannot listen for metrics");
-                    return ExitCode::FAILURE;
+                    tracing::error!(%error, "cannot set up the PostgreSQL store");
+                    ExitCode::FAILURE
                 }
             },
-        };
-        let listeners = Listeners { grpc, ops };
-        match dedupd::run(listeners, store, server, shutdown_signal()).await {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(_) => ExitCode::FAILURE,
         }
     });
     // A wedged store may hold a blocking thread forever: do not wait for it.
@@ -126,8 +149,18 @@ fn serve(args: &ServeArgs) -> ExitCode {
 /// Flags → settings → the server's runtime configuration: secrets and
 /// certificates are read here, still before anything is opened or bound, so
 /// a bad one is a configuration error too.
-fn configure(args: &ServeArgs) -> Result<(Settings, ServerConfig), String> {
+fn configure(args: &ServeArgs) -> Result<(Settings, StoreSettings, ServerConfig), String> {
     let settings = args.validate()?;
+    let store = match &settings.store {
+        StoreSettings::Sled(config) => StoreSettings::Sled(config.clone()),
+        StoreSettings::Postgres { url, config } => StoreSettings::Postgres {
+            url: url.clone(),
+            config: PostgresConfig {
+                url: url.load()?,
+                ..config.clone()
+            },
+        },
+    };
     let tokens = settings.auth.load()?;
     let tls = settings.tls.as_ref().map(TlsFiles::load).transpose()?;
     let server = ServerConfig {
@@ -148,7 +181,7 @@ fn configure(args: &ServeArgs) -> Result<(Settings, ServerConfig), String> {
         connections: settings.connections,
         ..ServerConfig::default()
     };
-    Ok((settings, server))
+    Ok((settings, store, server))
 }
 
 /// Descriptors kept for the store, the listeners and the ops port.

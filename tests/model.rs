@@ -20,6 +20,8 @@ use dedupd::{
 };
 use proptest::prelude::*;
 
+mod common;
+
 const LEASE_SECS: u64 = 10;
 const RETENTION_SECS: u64 = 100;
 const KEYS: usize = 3;
@@ -333,7 +335,7 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
     #[test]
-    fn memory_and_sled_stores_follow_the_model(ops in proptest::collection::vec(op(), 1..40)) {
+    fn memory_sled_and_postgres_stores_follow_the_model(ops in proptest::collection::vec(op(), 1..40)) {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         runtime.block_on(async {
             let dir = tempfile::tempdir().unwrap();
@@ -346,6 +348,8 @@ proptest! {
             })
             .unwrap();
             let mut sled = Subject::new(sled_store, &clock);
+            let schema = common::postgres::fresh_schema();
+            let mut postgres = Subject::new(common::postgres::store(&schema).await, &clock);
             for (step, op) in ops.iter().enumerate() {
                 if let Op::Advance(seconds) = op {
                     clock.advance(Duration::from_secs(*seconds));
@@ -353,14 +357,18 @@ proptest! {
                 let expected = model.apply(op);
                 let from_memory = memory.apply(op).await.unwrap();
                 let from_sled = sled.apply(op).await.unwrap();
+                let from_postgres = postgres.apply(op).await.unwrap();
                 prop_assert_eq!(&from_memory, &expected, "memory store, step {} {:?}", step, op);
                 prop_assert_eq!(&from_sled, &expected, "sled store, step {} {:?}", step, op);
+                prop_assert_eq!(&from_postgres, &expected, "postgres store, step {} {:?}", step, op);
                 for index in 0..KEYS {
                     let expected = model.view(index);
                     prop_assert_eq!(&memory.view(index).await.unwrap(), &expected, "memory view of {}", index);
                     prop_assert_eq!(&sled.view(index).await.unwrap(), &expected, "sled view of {}", index);
+                    prop_assert_eq!(&postgres.view(index).await.unwrap(), &expected, "postgres view of {}", index);
                 }
             }
+            common::postgres::drop_schema(&schema).await;
             Ok(())
         })?;
     }

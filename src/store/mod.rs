@@ -10,6 +10,7 @@
 pub mod codec;
 mod disk;
 pub mod memory;
+pub mod postgres;
 pub mod sled;
 
 use std::{fmt, future::Future, time::Duration};
