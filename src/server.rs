@@ -170,6 +170,10 @@ pub async fn run<S: Store>(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
     let listeners = listeners.into();
+    if let Some(path) = &config.ready_file {
+        // A file left by a process that was killed names its old ports.
+        let _ = std::fs::remove_file(path);
+    }
     let engine = Engine::new(Arc::clone(&store), Arc::clone(&config.clock))
         .with_metrics(Arc::clone(&config.metrics));
     let limits = Arc::new(config.limits.clone());

@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 
+import grpc
 import psycopg
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
@@ -72,6 +73,13 @@ class Handler:
         except dc.Stale as stale:
             log("stale", correlation_id=correlation_id, highest=stale.highest_committed_sequence)
             return True
+        except grpc.RpcError as error:
+            # The sidecar or its store is briefly away (a PostgreSQL restart,
+            # a sidecar restart): redeliver later, never process blind.
+            if error.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            log("unavailable", correlation_id=correlation_id, detail=error.details())
+            return 0.5
 
     def write(self, event, claim):
         if event["type"] == "StatusUpdated":
