@@ -33,6 +33,7 @@ pids=()
 cleanup() {
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
+  psql "$pg_url" -qc "DROP SCHEMA IF EXISTS ${pg_schema:-none} CASCADE" >/dev/null 2>&1 || true
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -55,18 +56,23 @@ command -v redis-server >/dev/null || { echo "redis-server is not on PATH" >&2; 
 "$bin" --listen 127.0.0.1:51002 --data-dir "$work/always" --sync always --worker-threads 1 --log warn 2>"$work/always.log" & pids+=($!)
 always_pid=$!
 "$bin" --listen 127.0.0.1:51003 --data-dir "$work/none" --sync none --worker-threads 1 --log warn 2>"$work/none.log" & pids+=($!)
+pg_schema="dedupd_bench_$$"
+"$bin" --listen 127.0.0.1:51006 --store postgres --store-url "$pg_url" --store-schema "$pg_schema" \
+  --worker-threads 1 --log warn 2>"$work/pg.log" & pids+=($!)
 for mode in always everysec; do
   port=$([ $mode = always ] && echo 51004 || echo 51005)
   mkdir -p "$work/redis-$mode"
   redis-server --port $port --bind 127.0.0.1 --dir "$work/redis-$mode" --save "" \
     --appendonly yes --appendfsync $mode --logfile "$work/redis-$mode.log" & pids+=($!)
 done
-for port in 51001 51002 51003 51004 51005; do wait_port $port; done
+for port in 51001 51002 51003 51004 51005 51006; do wait_port $port; done
+until "$bin" health --addr 127.0.0.1:51006 >/dev/null 2>&1; do sleep 0.05; done
 
 targets=(
   "no-op|noop://127.0.0.1:51001"
   "dedupd sync=always|dedupd://127.0.0.1:51002"
   "dedupd sync=none|dedupd://127.0.0.1:51003"
+  "dedupd on PostgreSQL|dedupd://127.0.0.1:51006"
   "Redis appendfsync=always|redis://127.0.0.1:51004"
   "Redis appendfsync=everysec|redis://127.0.0.1:51005"
   "PostgreSQL synchronous_commit=on|$pg_url?options=-c%20synchronous_commit%3Don"
