@@ -7,14 +7,15 @@ use std::{collections::BTreeMap, sync::Arc, time::Duration};
 use dedupd::{
     clock::{ManualClock, UnixMillis},
     domain::{
-        ClaimOutcome, ClaimRequest, CommitOutcome, CommitRequest, Key, LeaseToken, RecordState,
-        ReleaseOutcome, ReleaseRequest,
+        ClaimOutcome, ClaimRequest, CommitOutcome, CommitRequest, Key, LeaseToken, OrderingScope,
+        Record, RecordState, ReleaseOutcome, ReleaseRequest,
     },
     engine::Engine,
+    machine::{Change, SequenceMark},
     store::{
         memory::MemoryStore,
         sled::{SledConfig, SledStore},
-        Store,
+        IssueFencing, ReapReport, Store, StoreStats,
     },
     Error,
 };
@@ -350,6 +351,16 @@ proptest! {
             let mut sled = Subject::new(sled_store, &clock);
             let schema = common::postgres::fresh_schema();
             let mut postgres = Subject::new(common::postgres::store(&schema).await, &clock);
+            // Two sidecars over one schema, taking turns: each one's memory
+            // of its own writes must never make an answer wrong.
+            let shared_schema = common::postgres::fresh_schema();
+            let mut two_sidecars = Subject::new(
+                TakingTurns::new(
+                    common::postgres::store(&shared_schema).await,
+                    common::postgres::store(&shared_schema).await,
+                ),
+                &clock,
+            );
             for (step, op) in ops.iter().enumerate() {
                 if let Op::Advance(seconds) = op {
                     clock.advance(Duration::from_secs(*seconds));
@@ -358,6 +369,8 @@ proptest! {
                 let from_memory = memory.apply(op).await.unwrap();
                 let from_sled = sled.apply(op).await.unwrap();
                 let from_postgres = postgres.apply(op).await.unwrap();
+                let from_two = two_sidecars.apply(op).await.unwrap();
+                prop_assert_eq!(&from_two, &expected, "two sidecars on postgres, step {} {:?}", step, op);
                 prop_assert_eq!(&from_memory, &expected, "memory store, step {} {:?}", step, op);
                 prop_assert_eq!(&from_sled, &expected, "sled store, step {} {:?}", step, op);
                 prop_assert_eq!(&from_postgres, &expected, "postgres store, step {} {:?}", step, op);
@@ -366,10 +379,96 @@ proptest! {
                     prop_assert_eq!(&memory.view(index).await.unwrap(), &expected, "memory view of {}", index);
                     prop_assert_eq!(&sled.view(index).await.unwrap(), &expected, "sled view of {}", index);
                     prop_assert_eq!(&postgres.view(index).await.unwrap(), &expected, "postgres view of {}", index);
+                    prop_assert_eq!(&two_sidecars.view(index).await.unwrap(), &expected, "two sidecars' view of {}", index);
                 }
             }
             common::postgres::drop_schema(&schema).await;
+            common::postgres::drop_schema(&shared_schema).await;
             Ok(())
         })?;
+    }
+}
+
+/// Two stores over one database, each call going to the next in turn: two
+/// sidecars serving one client alternately.
+struct TakingTurns<S> {
+    stores: [S; 2],
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl<S> TakingTurns<S> {
+    fn new(a: S, b: S) -> Self {
+        TakingTurns {
+            stores: [a, b],
+            next: std::sync::atomic::AtomicUsize::new(0),
+        }
+    }
+
+    fn turn(&self) -> &S {
+        let turn = self.next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        &self.stores[turn % 2]
+    }
+}
+
+impl<S: Store> Store for TakingTurns<S> {
+    fn update<T, F>(
+        &self,
+        key: &Key,
+        apply: F,
+    ) -> impl std::future::Future<Output = Result<T, Error>> + Send
+    where
+        T: Send,
+        F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
+    {
+        self.turn().update(key, apply)
+    }
+
+    fn get(
+        &self,
+        key: &Key,
+    ) -> impl std::future::Future<Output = Result<Option<Record>, Error>> + Send {
+        self.turn().get(key)
+    }
+
+    fn update_mark<F>(
+        &self,
+        scope: &OrderingScope,
+        apply: F,
+    ) -> impl std::future::Future<Output = Result<(), Error>> + Send
+    where
+        F: FnMut(Option<SequenceMark>) -> Option<SequenceMark> + Send,
+    {
+        self.turn().update_mark(scope, apply)
+    }
+
+    fn get_mark(
+        &self,
+        scope: &OrderingScope,
+    ) -> impl std::future::Future<Output = Result<Option<SequenceMark>, Error>> + Send {
+        self.turn().get_mark(scope)
+    }
+
+    fn durable(&self) -> impl std::future::Future<Output = Result<(), Error>> + Send {
+        self.turn().durable()
+    }
+
+    fn reap(
+        &self,
+        now: UnixMillis,
+        budget: usize,
+    ) -> impl std::future::Future<Output = Result<ReapReport, Error>> + Send {
+        self.turn().reap(now, budget)
+    }
+
+    fn health(&self) -> Result<(), Error> {
+        self.stores[0].health().and(self.stores[1].health())
+    }
+
+    fn stats(&self) -> impl std::future::Future<Output = StoreStats> + Send {
+        self.turn().stats()
+    }
+
+    fn close(&self) -> impl std::future::Future<Output = Result<(), Error>> + Send {
+        self.turn().close()
     }
 }

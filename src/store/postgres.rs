@@ -22,6 +22,7 @@
 //! an answer leaves only once PostgreSQL has made its change durable.
 
 use std::{
+    collections::HashMap,
     fmt,
     str::FromStr,
     sync::{
@@ -158,7 +159,15 @@ struct Inner {
     ready: AtomicBool,
     /// Why the last statement failed for want of the server, if it did.
     unreachable: Mutex<Option<String>>,
+    /// Rows this sidecar wrote last, with their revision: a Commit after our
+    /// own Claim can write back `WHERE revision = $cached` at once, without
+    /// reading first. Only ever a guess for a write the condition verifies;
+    /// never the source of an answer that changes nothing.
+    recent: Mutex<HashMap<Key, (Record, i64)>>,
 }
+
+/// Most rows remembered in [`Inner::recent`]; past it the memory starts over.
+const RECENT_ROWS: usize = 16_384;
 
 impl fmt::Debug for PostgresStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -203,6 +212,7 @@ impl PostgresStore {
                 schema: config.schema.clone(),
                 ready: AtomicBool::new(false),
                 unreachable: Mutex::new(Some("not connected yet".into())),
+                recent: Mutex::new(HashMap::new()),
             }),
         })
     }
@@ -365,6 +375,22 @@ impl PostgresStore {
                 }
             }
         })
+    }
+
+    fn recall(&self, key: &Key) -> Option<(Record, i64)> {
+        self.inner.recent.lock().expect("lock").remove(key)
+    }
+
+    fn remember(&self, key: &Key, record: Record, revision: i64) {
+        let mut recent = self.inner.recent.lock().expect("lock");
+        if recent.len() >= RECENT_ROWS {
+            recent.clear();
+        }
+        recent.insert(key.clone(), (record, revision));
+    }
+
+    fn forget_row(&self, key: &Key) {
+        self.inner.recent.lock().expect("lock").remove(key);
     }
 
     /// Asks the server whether it answers (for health; cheap).
@@ -596,9 +622,10 @@ impl Store for PostgresStore {
         self.ready()?;
         let client = self.client().await?;
         let schema = &self.inner.schema;
+        let mut remembered = self.recall(key);
         // A fresh key: one statement, the fencing token drawn by it.
         let (change, _) = apply(None, &mut || Ok(PROVISIONAL))?;
-        if let Change::Put(record) = change {
+        if let (Change::Put(record), None) = (change, &remembered) {
             let values = RecordValues::new(&record);
             let (namespace, correlation_id) = (key.namespace(), key.correlation_id());
             let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
@@ -619,14 +646,22 @@ impl Store for PostgresStore {
             let inserted = client.query_opt(&statement, &params).await;
             if let Some(row) = self.observe(inserted)? {
                 let token = fencing_from_db(row.get(0));
-                let (_, answer) = apply(None, &mut || Ok(token))?;
+                let (change, answer) = apply(None, &mut || Ok(token))?;
+                if let Change::Put(record) = change {
+                    self.remember(key, record, 1);
+                }
                 return Ok(answer);
             }
         }
         // The key exists (or the change was not an insert): read, decide,
         // write back only if nobody changed it meanwhile.
         loop {
-            let current = self.read(&client, key).await?;
+            let guessed = remembered.take();
+            let from_memory = guessed.is_some();
+            let current = match guessed {
+                Some(row) => Some(row),
+                None => self.read(&client, key).await?,
+            };
             let (record, revision) = match &current {
                 Some((record, revision)) => (Some(record), *revision),
                 None => (None, 0),
@@ -642,6 +677,11 @@ impl Store for PostgresStore {
             } else {
                 (change, answer)
             };
+            if from_memory && matches!(change, Change::Keep) {
+                // An answer that changes nothing must come from the row as
+                // it is, not as this sidecar last wrote it.
+                continue;
+            }
             let written = match (&change, current.is_some()) {
                 (Change::Keep, _) | (Change::Delete, false) => return Ok(answer),
                 (Change::Put(next), true) => {
@@ -702,9 +742,19 @@ impl Store for PostgresStore {
                 }
             };
             if written == 1 {
+                match change {
+                    Change::Put(record) => self.remember(
+                        key,
+                        record,
+                        if current.is_some() { revision + 1 } else { 1 },
+                    ),
+                    Change::Delete | Change::Keep => self.forget_row(key),
+                }
                 return Ok(answer);
             }
-            // Another sidecar changed the row between our read and write.
+            // Another sidecar changed the row between our read (or memory)
+            // and our write: read it again.
+            self.forget_row(key);
         }
     }
 
