@@ -273,8 +273,51 @@ fn bad_configuration_exits_64_with_one_line_before_touching_anything() {
             "must be at most 365days, got 400days",
         ),
         (vec!["--default-lease-ttl", "500us"], vec![], "at least 1ms"),
-        // There is one store until the shared ones exist: no stub flag.
-        (vec!["--store", "sled"], vec![], "--store"),
+        // The shared store's URL: required, checked, its password never shown.
+        (vec!["--store", "postgres"], vec![], "needs --store-url"),
+        (
+            vec![
+                "--store",
+                "postgres",
+                "--store-url",
+                "mysql://app:s3cret@db/x",
+            ],
+            vec![],
+            "not a postgres://",
+        ),
+        (
+            vec![
+                "--store",
+                "postgres",
+                "--store-url",
+                "postgres://app:s3cret@db:notaport/x",
+            ],
+            vec![],
+            "app:…@db",
+        ),
+        (
+            vec!["--store-url", "postgres://app@db/x"],
+            vec![],
+            "--store-url is for --store postgres",
+        ),
+        (
+            vec!["--store", "postgres", "--store-url-file", "/no/such/url"],
+            vec![],
+            "--store-url-file",
+        ),
+        (
+            vec![
+                "--store",
+                "postgres",
+                "--store-url",
+                "postgres://app@db/x",
+                "--store-schema",
+                "Bad-Name",
+            ],
+            vec![],
+            "--store-schema",
+        ),
+        (vec!["--store", "redis"], vec![], "--store"),
     ];
     for (args, env, mentioned) in cases {
         let output = Command::new(BINARY)
@@ -295,6 +338,7 @@ fn bad_configuration_exits_64_with_one_line_before_touching_anything() {
             stderr.contains(mentioned),
             "{stderr:?} should mention {mentioned}"
         );
+        assert!(!stderr.contains("s3cret"), "a password leaked: {stderr}");
     }
     assert!(
         !data_dir.exists(),

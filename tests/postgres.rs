@@ -229,3 +229,67 @@ async fn an_unreachable_postgres_is_unavailable_and_recovers_by_itself() {
     server.stop().await.unwrap();
     postgres::drop_schema(&schema).await;
 }
+
+/// Expired rows are reaped in small batches, from two sidecars at once,
+/// harmlessly: every expired row goes, live ones stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_sidecars_reap_together_harmlessly() {
+    use dedupd::{clock::UnixMillis, store::Store};
+
+    let schema = postgres::fresh_schema();
+    let (a, b) = (
+        postgres::store(&schema).await,
+        postgres::store(&schema).await,
+    );
+    let server = TestServer::builder()
+        .start_with_store(Arc::new(a.clone()))
+        .await;
+    let mut client = server.client().await;
+    for i in 0..50 {
+        let claimed = claim(
+            &mut client,
+            pb::ClaimRequest {
+                retention: seconds(60),
+                ..claim_request(&format!("old-{i}"))
+            },
+        )
+        .await;
+        client
+            .commit(commit_request(&format!("old-{i}"), &claimed.lease_token))
+            .await
+            .unwrap();
+    }
+    let keeper = claim(&mut client, claim_request("keep")).await;
+    assert_eq!(outcome(&keeper), pb::ClaimOutcome::Claimed);
+    // An hour on, the 50 commits are expired; the claim with the default
+    // retention (7 days) is not.
+    let later = UnixMillis(START.0 + 3_600_000);
+    let (from_a, from_b) = tokio::join!(
+        async {
+            let mut removed = 0;
+            loop {
+                let pass = a.reap(later, 7).await.unwrap();
+                removed += pass.removed;
+                if pass.examined < 7 {
+                    return removed;
+                }
+            }
+        },
+        async {
+            let mut removed = 0;
+            loop {
+                let pass = b.reap(later, 7).await.unwrap();
+                removed += pass.removed;
+                if pass.examined < 7 {
+                    return removed;
+                }
+            }
+        }
+    );
+    assert_eq!(from_a + from_b, 50, "each expired row removed once");
+    assert_eq!(a.stats().await.records, Some(1));
+    let keep = dedupd::api::Limits::default().key("", "keep").unwrap();
+    assert!(b.get(&keep).await.unwrap().is_some());
+    server.stop().await.unwrap();
+    postgres::drop_schema(&schema).await;
+}

@@ -25,6 +25,7 @@ use dedupd::{
     server::ServerConfig,
     store::{
         memory::MemoryStore,
+        postgres::PostgresStore,
         sled::{SledConfig, SledStore},
         IssueFencing, ReapReport, Store, StoreStats,
     },
@@ -46,7 +47,7 @@ pub type Client = ClaimAndCommitClient<Channel>;
 /// A real server on `127.0.0.1:0` (plus, if asked, a Unix socket and the ops
 /// port), over a sled store in a temporary directory unless given another
 /// store, stopped through the same future production uses.
-pub struct TestServer<S: Store = SledStore> {
+pub struct TestServer<S: Store = TestStore> {
     pub addr: SocketAddr,
     pub clock: ManualClock,
     pub dir: Arc<TempDir>,
@@ -66,6 +67,7 @@ pub struct Builder {
     clock: ManualClock,
     unix_socket: bool,
     ops: bool,
+    schema: Option<String>,
 }
 
 impl Builder {
@@ -94,15 +96,26 @@ impl Builder {
         self
     }
 
-    /// Starts over a sled store in the directory, reporting group commits
-    /// into the server's metrics.
+    /// Starts over the suite's store (see [`TestStore`]): sled in the
+    /// directory, reporting group commits into the server's metrics, or
+    /// PostgreSQL in a schema of its own.
     pub async fn start(self) -> TestServer {
         let dir = self.directory();
-        let store = Arc::new(open_store_observed(
-            &dir.path().join("data"),
-            Arc::clone(&self.config.metrics),
-        ));
+        let store = Arc::new(
+            TestStore::open(
+                &dir.path().join("data"),
+                Arc::clone(&self.config.metrics),
+                self.schema.clone(),
+            )
+            .await,
+        );
         self.start_on(dir, store).await
+    }
+
+    /// Reuses `schema` when the suite runs on PostgreSQL (a restart).
+    fn in_schema(mut self, schema: Option<String>) -> Self {
+        self.schema = schema;
+        self
     }
 
     /// Starts over `store`.
@@ -176,6 +189,7 @@ impl TestServer {
             clock: ManualClock::new(START),
             unix_socket: false,
             ops: false,
+            schema: None,
         }
     }
 
@@ -195,12 +209,165 @@ impl TestServer {
         let TestServer {
             dir, clock, store, ..
         } = self;
+        let schema = store.schema().map(str::to_owned);
         drop(store);
-        TestServer::builder().in_dir(dir, clock).start().await
+        TestServer::builder()
+            .in_dir(dir, clock)
+            .in_schema(schema)
+            .start()
+            .await
     }
 }
 
-impl<S: Store> TestServer<S> {
+/// What the suite's servers run on: sled, or PostgreSQL when
+/// `DEDUPD_TEST_STORE=postgres` (`.ci/run` runs the wire tests both ways),
+/// so every store passes the same tests.
+pub enum TestStore {
+    Sled(SledStore),
+    Postgres {
+        store: PostgresStore,
+        schema: String,
+    },
+}
+
+impl TestStore {
+    /// Whether the suite runs on PostgreSQL this time.
+    pub fn on_postgres() -> bool {
+        std::env::var("DEDUPD_TEST_STORE").is_ok_and(|store| store == "postgres")
+    }
+
+    async fn open(path: &Path, metrics: Arc<Metrics>, schema: Option<String>) -> TestStore {
+        if TestStore::on_postgres() {
+            let schema = schema.unwrap_or_else(postgres::fresh_schema);
+            TestStore::Postgres {
+                store: postgres::store(&schema).await,
+                schema,
+            }
+        } else {
+            TestStore::Sled(open_store_observed(path, metrics))
+        }
+    }
+
+    pub fn schema(&self) -> Option<&str> {
+        match self {
+            TestStore::Sled(_) => None,
+            TestStore::Postgres { schema, .. } => Some(schema),
+        }
+    }
+
+    pub fn is_sled(&self) -> bool {
+        matches!(self, TestStore::Sled(_))
+    }
+
+    /// Records stored now, expired ones not yet reaped included.
+    pub async fn records(&self) -> usize {
+        match self {
+            TestStore::Sled(store) => store.record_count(),
+            TestStore::Postgres { store, .. } => {
+                usize::try_from(store.stats().await.records.unwrap_or(u64::MAX))
+                    .unwrap_or(usize::MAX)
+            }
+        }
+    }
+}
+
+/// A store a test made a PostgreSQL schema for, to drop when it is done.
+pub trait TestSchema {
+    fn test_schema(&self) -> Option<String> {
+        None
+    }
+}
+
+impl TestSchema for TestStore {
+    fn test_schema(&self) -> Option<String> {
+        self.schema().map(str::to_owned)
+    }
+}
+
+impl TestSchema for SledStore {}
+impl TestSchema for PostgresStore {}
+impl TestSchema for GatedStore {}
+
+impl Store for TestStore {
+    async fn update<T, F>(&self, key: &Key, apply: F) -> Result<T, Error>
+    where
+        T: Send,
+        F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
+    {
+        match self {
+            TestStore::Sled(store) => store.update(key, apply).await,
+            TestStore::Postgres { store, .. } => store.update(key, apply).await,
+        }
+    }
+
+    async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
+        match self {
+            TestStore::Sled(store) => store.get(key).await,
+            TestStore::Postgres { store, .. } => store.get(key).await,
+        }
+    }
+
+    async fn update_mark<F>(&self, scope: &OrderingScope, apply: F) -> Result<(), Error>
+    where
+        F: FnMut(Option<SequenceMark>) -> Option<SequenceMark> + Send,
+    {
+        match self {
+            TestStore::Sled(store) => store.update_mark(scope, apply).await,
+            TestStore::Postgres { store, .. } => store.update_mark(scope, apply).await,
+        }
+    }
+
+    async fn get_mark(&self, scope: &OrderingScope) -> Result<Option<SequenceMark>, Error> {
+        match self {
+            TestStore::Sled(store) => store.get_mark(scope).await,
+            TestStore::Postgres { store, .. } => store.get_mark(scope).await,
+        }
+    }
+
+    async fn durable(&self) -> Result<(), Error> {
+        match self {
+            TestStore::Sled(store) => store.durable().await,
+            TestStore::Postgres { store, .. } => store.durable().await,
+        }
+    }
+
+    async fn reap(&self, now: UnixMillis, budget: usize) -> Result<ReapReport, Error> {
+        match self {
+            TestStore::Sled(store) => store.reap(now, budget).await,
+            TestStore::Postgres { store, .. } => store.reap(now, budget).await,
+        }
+    }
+
+    fn health(&self) -> Result<(), Error> {
+        match self {
+            TestStore::Sled(store) => store.health(),
+            TestStore::Postgres { store, .. } => store.health(),
+        }
+    }
+
+    fn writable(&self) -> Result<(), Error> {
+        match self {
+            TestStore::Sled(store) => store.writable(),
+            TestStore::Postgres { store, .. } => store.writable(),
+        }
+    }
+
+    async fn stats(&self) -> StoreStats {
+        match self {
+            TestStore::Sled(store) => store.stats().await,
+            TestStore::Postgres { store, .. } => store.stats().await,
+        }
+    }
+
+    async fn close(&self) -> Result<(), Error> {
+        match self {
+            TestStore::Sled(store) => store.close().await,
+            TestStore::Postgres { store, .. } => store.close().await,
+        }
+    }
+}
+
+impl<S: Store + TestSchema> TestServer<S> {
     pub async fn client(&self) -> Client {
         ClaimAndCommitClient::new(self.channel().await)
     }
@@ -213,9 +380,14 @@ impl<S: Store> TestServer<S> {
             .expect("connect")
     }
 
-    /// Graceful shutdown; returns what `run` returned.
+    /// Graceful shutdown; returns what `run` returned. A PostgreSQL
+    /// schema made for the server is dropped.
     pub async fn stop(mut self) -> Result<(), Error> {
-        self.stop_in_place().await
+        let stopped = self.stop_in_place().await;
+        if let Some(schema) = self.store.test_schema() {
+            postgres::drop_schema(&schema).await;
+        }
+        stopped
     }
 
     async fn stop_in_place(&mut self) -> Result<(), Error> {
