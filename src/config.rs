@@ -161,6 +161,11 @@ pub struct ServeArgs {
     /// File holding the shared store's URL (e.g. a mounted Secret).
     #[arg(long, env = "DEDUPD_STORE_URL_FILE")]
     pub store_url_file: Option<PathBuf>,
+    /// PEM file of the CA (or the certificate itself) that signed the
+    /// PostgreSQL server's TLS certificate, instead of the system's roots.
+    /// TLS itself follows the URL's `sslmode` (`require` to insist).
+    #[arg(long, env = "DEDUPD_STORE_CA_FILE")]
+    pub store_ca_file: Option<PathBuf>,
     /// PostgreSQL schema for dedupd's tables (created if missing).
     #[arg(long, env = "DEDUPD_STORE_SCHEMA", default_value = "dedupd")]
     pub store_schema: String,
@@ -246,6 +251,8 @@ pub enum StoreSettings {
     Postgres {
         /// Where the URL comes from.
         url: StoreUrlSource,
+        /// The CA to trust for the server's certificate, read by `main`.
+        ca_file: Option<PathBuf>,
         /// Schema, pool and timeout (the URL filled in once read).
         config: PostgresConfig,
     },
@@ -358,11 +365,13 @@ impl ServeArgs {
                 )?;
                 Ok(StoreSettings::Postgres {
                     url,
+                    ca_file: self.store_ca_file.clone(),
                     config: PostgresConfig {
                         url: String::new(),
                         schema: self.store_schema.clone(),
                         pool_size: self.store_pool_size,
                         statement_timeout,
+                        ca_pem: None,
                     },
                 })
             }

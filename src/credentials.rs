@@ -149,12 +149,12 @@ impl TlsFiles {
     /// and not a failure after binding.
     pub fn load(&self) -> Result<ServerTlsConfig, String> {
         let identity = Identity::from_pem(
-            read_pem("tls-cert", &self.cert)?,
-            read_pem("tls-key", &self.key)?,
+            read_pem_file("tls-cert", &self.cert)?,
+            read_pem_file("tls-key", &self.key)?,
         );
         let mut tls = ServerTlsConfig::new().identity(identity);
         if let Some(ca) = &self.client_ca {
-            tls = tls.client_ca_root(Certificate::from_pem(read_pem("tls-client-ca", ca)?));
+            tls = tls.client_ca_root(Certificate::from_pem(read_pem_file("tls-client-ca", ca)?));
         }
         tonic::transport::Server::builder()
             .tls_config(tls.clone())
@@ -163,7 +163,8 @@ impl TlsFiles {
     }
 }
 
-fn read_pem(flag: &str, path: &Path) -> Result<Vec<u8>, String> {
+/// Reads a PEM file named by `--{flag}`; the problem in one line.
+pub fn read_pem_file(flag: &str, path: &Path) -> Result<Vec<u8>, String> {
     let pem = std::fs::read(path).map_err(|e| format!("--{flag} {}: {e}", path.display()))?;
     if !pem.windows(11).any(|window| window == b"-----BEGIN ") {
         return Err(format!("--{flag} {}: not a PEM file", path.display()));

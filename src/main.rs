@@ -10,7 +10,7 @@ use dedupd::{
     cli,
     clock::SystemClock,
     config::{Cli, Command, LogFormat, ServeArgs, Settings, StoreSettings},
-    credentials::TlsFiles,
+    credentials::{read_pem_file, TlsFiles},
     store::{
         postgres::{redact_url, PostgresConfig, PostgresStore},
         sled::SledStore,
@@ -153,10 +153,19 @@ fn configure(args: &ServeArgs) -> Result<(Settings, StoreSettings, ServerConfig)
     let settings = args.validate()?;
     let store = match &settings.store {
         StoreSettings::Sled(config) => StoreSettings::Sled(config.clone()),
-        StoreSettings::Postgres { url, config } => StoreSettings::Postgres {
+        StoreSettings::Postgres {
+            url,
+            ca_file,
+            config,
+        } => StoreSettings::Postgres {
             url: url.clone(),
+            ca_file: ca_file.clone(),
             config: PostgresConfig {
                 url: url.load()?,
+                ca_pem: ca_file
+                    .as_deref()
+                    .map(|file| read_pem_file("store-ca-file", file))
+                    .transpose()?,
                 ..config.clone()
             },
         },

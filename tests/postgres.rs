@@ -293,3 +293,46 @@ async fn two_sidecars_reap_together_harmlessly() {
     server.stop().await.unwrap();
     postgres::drop_schema(&schema).await;
 }
+
+/// TLS to PostgreSQL with rustls: `sslmode=require` against the machine's
+/// server (Debian's snakeoil certificate, issued to `localhost`) works when
+/// that certificate is trusted, and is refused when another CA is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_to_postgres_is_verified() {
+    const SNAKEOIL: &str = "/etc/ssl/certs/ssl-cert-snakeoil.pem";
+    let schema = postgres::fresh_schema();
+    let url = "postgres://postgres@localhost:5432/test?sslmode=require".to_owned();
+    let trusted = PostgresStore::new(&dedupd::store::postgres::PostgresConfig {
+        url: url.clone(),
+        ca_pem: Some(std::fs::read(SNAKEOIL).expect("the server's certificate")),
+        ..postgres::config(&schema)
+    })
+    .unwrap();
+    trusted
+        .prepare()
+        .await
+        .expect("TLS with the trusted certificate");
+    let server = TestServer::builder()
+        .start_with_store(Arc::new(trusted))
+        .await;
+    let mut client = server.client().await;
+    assert_eq!(
+        outcome(&claim(&mut client, claim_request("over-tls")).await),
+        pb::ClaimOutcome::Claimed
+    );
+    server.stop().await.unwrap();
+
+    let stranger = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+    let distrusting = PostgresStore::new(&dedupd::store::postgres::PostgresConfig {
+        url,
+        ca_pem: Some(stranger.cert.pem().into_bytes()),
+        ..postgres::config(&schema)
+    })
+    .unwrap();
+    let refused = distrusting.prepare().await.unwrap_err();
+    assert!(
+        matches!(refused, dedupd::Error::Unavailable(_)),
+        "an untrusted certificate is no server: {refused:?}"
+    );
+    postgres::drop_schema(&schema).await;
+}

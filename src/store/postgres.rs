@@ -33,7 +33,9 @@ use std::{
 };
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
-use tokio_postgres::{NoTls, Row};
+use rustls::pki_types::{pem::PemObject, CertificateDer};
+use tokio_postgres::Row;
+use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::{IssueFencing, ReapReport, Store, StoreStats};
 use crate::{
@@ -64,6 +66,9 @@ pub struct PostgresConfig {
     pub pool_size: usize,
     /// Longest one statement may run on the server.
     pub statement_timeout: Duration,
+    /// PEM certificates to trust for the server's TLS certificate instead of
+    /// the system's roots (a private CA, or the server's own certificate).
+    pub ca_pem: Option<Vec<u8>>,
 }
 
 impl fmt::Debug for PostgresConfig {
@@ -73,6 +78,7 @@ impl fmt::Debug for PostgresConfig {
             .field("schema", &self.schema)
             .field("pool_size", &self.pool_size)
             .field("statement_timeout", &self.statement_timeout)
+            .field("private_ca", &self.ca_pem.is_some())
             .finish()
     }
 }
@@ -146,6 +152,40 @@ pub fn check_schema(schema: &str) -> Result<(), String> {
     }
 }
 
+/// TLS to the server with rustls, as the URL's `sslmode` asks (`disable`,
+/// `prefer` — the default, plaintext when the server offers no TLS —, or
+/// `require`): certificates are verified against `ca_pem`, or else the
+/// system's roots.
+fn tls_config(ca_pem: Option<&[u8]>) -> Result<rustls::ClientConfig, Error> {
+    let mut roots = rustls::RootCertStore::empty();
+    match ca_pem {
+        Some(pem) => {
+            for certificate in CertificateDer::pem_slice_iter(pem) {
+                let certificate = certificate
+                    .map_err(|error| Error::Store(format!("--store-ca-file: {error}")))?;
+                roots
+                    .add(certificate)
+                    .map_err(|error| Error::Store(format!("--store-ca-file: {error}")))?;
+            }
+        }
+        None => {
+            let native = rustls_native_certs::load_native_certs();
+            let (added, _) = roots.add_parsable_certificates(native.certs);
+            if added == 0 {
+                tracing::warn!(
+                    "no system root certificates: TLS to PostgreSQL needs --store-ca-file"
+                );
+            }
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    Ok(rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|error| Error::Store(format!("TLS: {error}")))?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
+}
+
 /// The PostgreSQL store; clones share one pool.
 #[derive(Clone)]
 pub struct PostgresStore {
@@ -193,7 +233,7 @@ impl PostgresStore {
         pg.application_name("dedupd");
         let manager = Manager::from_config(
             pg,
-            NoTls,
+            MakeRustlsConnect::new(tls_config(config.ca_pem.as_deref())?),
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
             },

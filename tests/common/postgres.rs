@@ -18,6 +18,7 @@ pub fn config(schema: &str) -> PostgresConfig {
         schema: schema.to_owned(),
         pool_size: 8,
         statement_timeout: Duration::from_secs(5),
+        ca_pem: None,
     }
 }
 
