@@ -163,7 +163,7 @@ pub struct ServeArgs {
     pub store_url_file: Option<PathBuf>,
     /// PEM file of the CA (or the certificate itself) that signed the
     /// PostgreSQL server's TLS certificate, instead of the system's roots.
-    /// TLS itself follows the URL's `sslmode` (`require` to insist).
+    /// TLS is used when the URL says `sslmode=require`.
     #[arg(long, env = "DEDUPD_STORE_CA_FILE")]
     pub store_ca_file: Option<PathBuf>,
     /// PostgreSQL schema for dedupd's tables (created if missing).

@@ -125,7 +125,9 @@ async fn every_acknowledged_commit_survives_kill_9() {
     }
 }
 
-#[tokio::test]
+// Multi-threaded: `terminate` blocks this thread while the client's
+// connection task must go on answering the server's GOAWAY.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_syncs_and_exits_zero() {
     let dir = tempfile::tempdir().unwrap();
     let mut sidecar = Sidecar::start(dir.path());
@@ -137,25 +139,9 @@ async fn sigterm_drains_syncs_and_exits_zero() {
         .into_inner();
     assert_eq!(claimed.outcome, pb::ClaimOutcome::Claimed as i32);
 
-    let pid = sidecar.child.id().to_string();
-    assert!(Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap()
-        .success());
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = sidecar.child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "did not exit after SIGTERM"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    assert!(status.success(), "exit status {status:?}");
-    let log = sidecar.log_text();
+    drop(client);
+    let (code, log) = terminate(&mut sidecar);
+    assert_eq!(code, Some(0), "{log}");
     assert!(log.contains("SIGTERM received"), "{log}");
     assert!(log.contains("store synced"), "{log}");
     assert!(
@@ -404,7 +390,7 @@ fn health_readyz_asks_the_ops_port() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn running_out_of_descriptors_is_an_overload_that_passes() {
     let dir = tempfile::tempdir().unwrap();
-    let sidecar = Sidecar::start_under(
+    let mut sidecar = Sidecar::start_under(
         &["prlimit", "--nofile=200:1000"],
         dir.path(),
         &["--max-connections", "5000", "--shutdown-grace", "3s"],
@@ -480,7 +466,7 @@ async fn running_out_of_descriptors_is_an_overload_that_passes() {
     let _idle: Vec<_> = (0..200)
         .map(|_| std::net::TcpStream::connect(sidecar.addr).unwrap())
         .collect();
-    let (code, log) = terminate(sidecar);
+    let (code, log) = terminate(&mut sidecar);
     assert_eq!(code, Some(0), "{log}");
 }
 

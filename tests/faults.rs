@@ -13,7 +13,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::sidecar::{terminate, Sidecar};
+use common::{
+    sidecar::{terminate, Sidecar},
+    until_health, NOT_SERVING, SERVING,
+};
 use dedupd::proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient};
 use tonic::{transport::Channel, Code};
 
@@ -102,37 +105,6 @@ async fn fill(client: &mut ClaimAndCommitClient<Channel>, prefix: &str) -> (Vec<
     panic!("the disk never filled");
 }
 
-async fn serving(addr: std::net::SocketAddr) -> i32 {
-    let channel = Channel::from_shared(format!("http://{addr}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    tonic_health::pb::health_client::HealthClient::new(channel)
-        .check(tonic_health::pb::HealthCheckRequest {
-            service: "dedup.v1.ClaimAndCommit".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .status
-}
-
-/// Waits (bounded) until the health service reports `status`.
-async fn until_health(addr: std::net::SocketAddr, status: i32) {
-    let started = Instant::now();
-    while serving(addr).await != status {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "health never became {status}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-const SERVING: i32 = 1;
-const NOT_SERVING: i32 = 2;
-
 /// Defect 1: a full disk used to wedge the store (every later call hung,
 /// health said SERVING). With a reserve, writes are refused first, reads and
 /// duplicates go on, health says NOT_SERVING, and once space returns writes
@@ -146,7 +118,8 @@ async fn a_full_disk_refuses_writes_and_recovers_by_itself() {
     let ballast = disk.path().join("ballast");
     std::fs::write(&ballast, vec![0u8; 8 << 20]).unwrap();
     let data = disk.data();
-    let sidecar = Sidecar::start_with(&data, &["--disk-reserve-mb", "6", "--shutdown-grace", "3s"]);
+    let mut sidecar =
+        Sidecar::start_with(&data, &["--disk-reserve-mb", "6", "--shutdown-grace", "3s"]);
     let mut client = sidecar.client().await;
 
     let (committed, refused) = fill(&mut client, "fill").await;
@@ -189,7 +162,7 @@ async fn a_full_disk_refuses_writes_and_recovers_by_itself() {
         .expect("writes resume without a restart");
 
     // And the process still stops cleanly within its grace.
-    let exit = terminate(sidecar);
+    let exit = terminate(&mut sidecar);
     assert_eq!(exit.0, Some(0), "{}", exit.1);
 }
 
@@ -267,7 +240,7 @@ async fn sigterm_ends_the_process_even_on_a_wedged_store() {
         return;
     };
     let data = disk.data();
-    let sidecar = Sidecar::start_with(
+    let mut sidecar = Sidecar::start_with(
         &data,
         &[
             "--disk-reserve-mb",
@@ -291,6 +264,6 @@ async fn sigterm_ends_the_process_even_on_a_wedged_store() {
             .await;
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let (code, log) = terminate(sidecar);
+    let (code, log) = terminate(&mut sidecar);
     assert!(code.is_some(), "exited by itself: {log}");
 }

@@ -152,31 +152,6 @@ async fn sidecars_starting_together_migrate_once() {
     postgres::drop_schema(&schema).await;
 }
 
-async fn health(server: &TestServer<PostgresStore>) -> i32 {
-    tonic_health::pb::health_client::HealthClient::new(server.channel().await)
-        .check(tonic_health::pb::HealthCheckRequest {
-            service: "dedup.v1.ClaimAndCommit".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .status
-}
-
-async fn until_health(server: &TestServer<PostgresStore>, status: i32) {
-    let started = std::time::Instant::now();
-    while health(server).await != status {
-        assert!(
-            started.elapsed() < std::time::Duration::from_secs(15),
-            "health never became {status}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
-}
-
-const SERVING: i32 = 1;
-const NOT_SERVING: i32 = 2;
-
 /// PostgreSQL unreachable at start and going away mid-run: calls are
 /// UNAVAILABLE (never CLAIMED), health NOT_SERVING, and the sidecar recovers
 /// by itself when the server is back, its records intact.
@@ -198,12 +173,12 @@ async fn an_unreachable_postgres_is_unavailable_and_recovers_by_itself() {
     let mut client = server.client().await;
 
     // Down from the start: NOT_SERVING, calls UNAVAILABLE.
-    until_health(&server, NOT_SERVING).await;
+    until_health(server.addr, NOT_SERVING).await;
     let refused = client.claim(claim_request("early")).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
 
     forwarder.restore();
-    until_health(&server, SERVING).await;
+    until_health(server.addr, SERVING).await;
     let claimed = claim(&mut client, claim_request("pay-1")).await;
     assert_eq!(outcome(&claimed), pb::ClaimOutcome::Claimed);
 
@@ -213,11 +188,11 @@ async fn an_unreachable_postgres_is_unavailable_and_recovers_by_itself() {
     let refused = client.claim(claim_request("pay-2")).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
     assert!(started.elapsed() < std::time::Duration::from_secs(10));
-    until_health(&server, NOT_SERVING).await;
+    until_health(server.addr, NOT_SERVING).await;
 
     // Back: serving again without a restart, the claim still held.
     forwarder.restore();
-    until_health(&server, SERVING).await;
+    until_health(server.addr, SERVING).await;
     assert_eq!(
         outcome(&claim(&mut client, claim_request("pay-1")).await),
         pb::ClaimOutcome::InProgress

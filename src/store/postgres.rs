@@ -5,7 +5,10 @@
 //!
 //! - `processed_events`: the article's table (namespace, correlation_id,
 //!   event_type, consumer_version, processed_at) plus the rest of the record
-//!   and a `revision` for optimistic updates.
+//!   and a `revision` for optimistic updates, drawn from the `revisions`
+//!   sequence so it never repeats, even when a key is deleted and claimed
+//!   again (a revision counter per row would start over, and a stale
+//!   conditional update would hit the new row).
 //! - `ordering_marks`: the highest committed sequence per ordering scope.
 //! - `fencing_tokens`: a `SEQUENCE`, so fencing tokens increase across every
 //!   sidecar and restart.
@@ -34,7 +37,7 @@ use std::{
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use rustls::pki_types::{pem::PemObject, CertificateDer};
-use tokio_postgres::Row;
+use tokio_postgres::{config::SslMode, NoTls, Row};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::{IssueFencing, ReapReport, Store, StoreStats};
@@ -152,10 +155,9 @@ pub fn check_schema(schema: &str) -> Result<(), String> {
     }
 }
 
-/// TLS to the server with rustls, as the URL's `sslmode` asks (`disable`,
-/// `prefer` — the default, plaintext when the server offers no TLS —, or
-/// `require`): certificates are verified against `ca_pem`, or else the
-/// system's roots.
+/// TLS to the server with rustls, for a URL with `sslmode=require`: the
+/// server's certificate is verified against `ca_pem`, or else the system's
+/// roots.
 fn tls_config(ca_pem: Option<&[u8]>) -> Result<rustls::ClientConfig, Error> {
     let mut roots = rustls::RootCertStore::empty();
     match ca_pem {
@@ -231,13 +233,17 @@ impl PostgresStore {
         ));
         pg.connect_timeout(config.statement_timeout);
         pg.application_name("dedupd");
-        let manager = Manager::from_config(
-            pg,
-            MakeRustlsConnect::new(tls_config(config.ca_pem.as_deref())?),
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
+        let recycling = || ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        };
+        // TLS only when the URL insists (sslmode=require), and then always
+        // verified: an unverified "prefer" handshake would only look secure.
+        let manager = if pg.get_ssl_mode() == SslMode::Require {
+            let tls = MakeRustlsConnect::new(tls_config(config.ca_pem.as_deref())?);
+            Manager::from_config(pg, tls, recycling())
+        } else {
+            Manager::from_config(pg, NoTls, recycling())
+        };
         let pool = Pool::builder(manager)
             .max_size(config.pool_size)
             .wait_timeout(Some(config.statement_timeout))
@@ -337,6 +343,7 @@ impl PostgresStore {
                         PRIMARY KEY (namespace, ordering_key)
                     );
                     CREATE SEQUENCE IF NOT EXISTS {schema}.fencing_tokens;
+                    CREATE SEQUENCE IF NOT EXISTS {schema}.revisions;
                     INSERT INTO {schema}.schema_version (version) VALUES ({SCHEMA_VERSION});"
                 ))
                 .await
@@ -677,9 +684,9 @@ impl Store for PostgresStore {
                 .prepare_cached(&format!(
                     "INSERT INTO {schema}.processed_events (namespace, correlation_id, {COLUMNS}, revision)
                      VALUES ($1, $2, $3, $4, nextval('{schema}.fencing_tokens'), $5, $6, $7, $8, $9, $10,
-                             $11, $12, $13, $14, $15, $16, $17, $18, $19, 1)
+                             $11, $12, $13, $14, $15, $16, $17, $18, $19, nextval('{schema}.revisions'))
                      ON CONFLICT (namespace, correlation_id) DO NOTHING
-                     RETURNING fencing_token"
+                     RETURNING fencing_token, revision"
                 ))
                 .await;
             let statement = self.observe(statement)?;
@@ -688,7 +695,7 @@ impl Store for PostgresStore {
                 let token = fencing_from_db(row.get(0));
                 let (change, answer) = apply(None, &mut || Ok(token))?;
                 if let Change::Put(record) = change {
-                    self.remember(key, record, 1);
+                    self.remember(key, record, row.get(1));
                 }
                 return Ok(answer);
             }
@@ -739,12 +746,14 @@ impl Store for PostgresStore {
                                 claimed_at_ms, committed_at_ms, retain_until_ms, retention_ms,
                                 response, ordering_key, sequence, request_id, recovered, revision)
                              = ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
-                                $16, $17, $18, revision + 1)
-                             WHERE namespace = $19 AND correlation_id = $20 AND revision = $21"
+                                $16, $17, $18, nextval('{schema}.revisions'))
+                             WHERE namespace = $19 AND correlation_id = $20 AND revision = $21
+                             RETURNING revision"
                         ))
                         .await;
                     let statement = self.observe(statement)?;
-                    self.observe(client.execute(&statement, &params).await)?
+                    self.observe(client.query_opt(&statement, &params).await)?
+                        .map(|row| row.get::<_, i64>(0))
                 }
                 (Change::Put(next), false) => {
                     let values = RecordValues::new(next);
@@ -756,12 +765,14 @@ impl Store for PostgresStore {
                         .prepare_cached(&format!(
                             "INSERT INTO {schema}.processed_events (namespace, correlation_id, {COLUMNS}, revision)
                              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
-                                     $16, $17, $18, $19, $20, 1)
-                             ON CONFLICT (namespace, correlation_id) DO NOTHING"
+                                     $16, $17, $18, $19, $20, nextval('{schema}.revisions'))
+                             ON CONFLICT (namespace, correlation_id) DO NOTHING
+                             RETURNING revision"
                         ))
                         .await;
                     let statement = self.observe(statement)?;
-                    self.observe(client.execute(&statement, &params).await)?
+                    self.observe(client.query_opt(&statement, &params).await)?
+                        .map(|row| row.get::<_, i64>(0))
                 }
                 (Change::Delete, true) => {
                     let statement = client
@@ -771,23 +782,20 @@ impl Store for PostgresStore {
                         ))
                         .await;
                     let statement = self.observe(statement)?;
-                    self.observe(
+                    let deleted = self.observe(
                         client
                             .execute(
                                 &statement,
                                 &[&key.namespace(), &key.correlation_id(), &revision],
                             )
                             .await,
-                    )?
+                    )?;
+                    (deleted == 1).then_some(0)
                 }
             };
-            if written == 1 {
+            if let Some(new_revision) = written {
                 match change {
-                    Change::Put(record) => self.remember(
-                        key,
-                        record,
-                        if current.is_some() { revision + 1 } else { 1 },
-                    ),
+                    Change::Put(record) => self.remember(key, record, new_revision),
                     Change::Delete | Change::Keep => self.forget_row(key),
                 }
                 return Ok(answer);
@@ -893,31 +901,22 @@ impl Store for PostgresStore {
         let now = millis(now);
         // Small batches, rows others are busy with skipped, the expiry
         // checked again at delete: harmless from any number of sidecars.
-        let records = client
-            .execute(
-                &format!(
-                    "DELETE FROM {schema}.processed_events WHERE ctid IN (
-                       SELECT ctid FROM {schema}.processed_events WHERE retain_until_ms <= $1
-                        LIMIT $2 FOR UPDATE SKIP LOCKED)
-                     AND retain_until_ms <= $1"
-                ),
-                &[&now, &limit],
-            )
-            .await;
-        let records = self.observe(records)?;
-        let marks = client
-            .execute(
-                &format!(
-                    "DELETE FROM {schema}.ordering_marks WHERE ctid IN (
-                       SELECT ctid FROM {schema}.ordering_marks WHERE retain_until_ms <= $1
-                        LIMIT $2 FOR UPDATE SKIP LOCKED)
-                     AND retain_until_ms <= $1"
-                ),
-                &[&now, &limit],
-            )
-            .await;
-        let marks = self.observe(marks)?;
-        let removed = usize::try_from(records + marks).unwrap_or(usize::MAX);
+        let mut removed = 0;
+        for table in ["processed_events", "ordering_marks"] {
+            let deleted = client
+                .execute(
+                    &format!(
+                        "DELETE FROM {schema}.{table} WHERE ctid IN (
+                           SELECT ctid FROM {schema}.{table} WHERE retain_until_ms <= $1
+                            LIMIT $2 FOR UPDATE SKIP LOCKED)
+                         AND retain_until_ms <= $1"
+                    ),
+                    &[&now, &limit],
+                )
+                .await;
+            removed += self.observe(deleted)?;
+        }
+        let removed = usize::try_from(removed).unwrap_or(usize::MAX);
         Ok(ReapReport {
             removed,
             examined: removed,

@@ -416,6 +416,39 @@ fn open_store_observed(path: &Path, metrics: Arc<Metrics>) -> SledStore {
     SledStore::open_observed(&sled_config(path), Some(metrics)).expect("open sled store")
 }
 
+/// The dedup service's status from the health service at `addr`.
+pub async fn health_of(addr: SocketAddr) -> i32 {
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .expect("uri")
+        .connect()
+        .await
+        .expect("connect");
+    tonic_health::pb::health_client::HealthClient::new(channel)
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "dedup.v1.ClaimAndCommit".into(),
+        })
+        .await
+        .expect("health answers")
+        .into_inner()
+        .status
+}
+
+/// `SERVING` and `NOT_SERVING` as the health service numbers them.
+pub const SERVING: i32 = 1;
+pub const NOT_SERVING: i32 = 2;
+
+/// Waits (bounded) until the health service at `addr` reports `status`.
+pub async fn until_health(addr: SocketAddr, status: i32) {
+    let started = std::time::Instant::now();
+    while health_of(addr).await != status {
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "health never became {status}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 pub fn claim_request(correlation_id: &str) -> pb::ClaimRequest {
     pb::ClaimRequest {
         correlation_id: correlation_id.to_owned(),

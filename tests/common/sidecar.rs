@@ -143,7 +143,7 @@ pub fn open_descriptors(pid: u32) -> usize {
 
 /// Sends SIGTERM and waits (bounded by 15 s) for the exit; returns the exit
 /// code and the log.
-pub fn terminate(mut sidecar: Sidecar) -> (Option<i32>, String) {
+pub fn terminate(sidecar: &mut Sidecar) -> (Option<i32>, String) {
     let pid = sidecar.child.id().to_string();
     assert!(Command::new("kill")
         .args(["-TERM", &pid])
