@@ -8,7 +8,8 @@
 //! - [`domain`]: keys, tokens, records, validated requests and outcomes.
 //! - [`machine`]: the protocol's state machine, pure functions only.
 //! - [`store`]: the storage contract and its backends ([`store::sled`],
-//!   [`store::memory`]).
+//!   embedded; [`store::postgres`], shared by every sidecar;
+//!   [`store::memory`], the reference model).
 //! - [`engine`]: runs requests through the machine on a store, durably.
 //! - [`api`]: protobuf ↔ domain, with every field validated.
 //! - `service`: the gRPC handlers (internal).

@@ -3,9 +3,9 @@
 //! (records past `retain_until` are reaped), and durability.
 //!
 //! The rules of protocol §2 (docs/protocol.md) live in [`crate::machine`];
-//! a store only runs the
-//! closure the engine gives it, atomically, and applies the [`Change`] it
-//! returns.
+//! a store only runs the closure the engine gives it, atomically, and
+//! applies the [`Change`] it returns: sled by compare-and-swap, PostgreSQL by
+//! an insert for a fresh key or an update conditional on the row's revision.
 
 pub mod codec;
 mod disk;
