@@ -424,6 +424,30 @@ impl PostgresStore {
         })
     }
 
+    /// Runs one statement, prepared once per connection, noting for health
+    /// whether the server answered; how many rows it changed.
+    async fn execute(
+        &self,
+        client: &deadpool_postgres::Client,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<u64, Error> {
+        let statement = self.observe(client.prepare_cached(sql).await)?;
+        self.observe(client.execute(&statement, params).await)
+    }
+
+    /// Like [`PostgresStore::execute`], for a statement answering at most
+    /// one row.
+    async fn query_opt(
+        &self,
+        client: &deadpool_postgres::Client,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<Option<Row>, Error> {
+        let statement = self.observe(client.prepare_cached(sql).await)?;
+        self.observe(client.query_opt(&statement, params).await)
+    }
+
     fn recall(&self, key: &Key) -> Option<(Record, i64)> {
         self.inner.recent.lock().expect("lock").remove(key)
     }
@@ -453,17 +477,12 @@ impl PostgresStore {
         key: &Key,
     ) -> Result<Option<(Record, i64)>, Error> {
         let schema = &self.inner.schema;
-        let statement = client
-            .prepare_cached(&format!(
-                "SELECT {COLUMNS}, revision FROM {schema}.processed_events
+        let sql = format!(
+            "SELECT {COLUMNS}, revision FROM {schema}.processed_events
                   WHERE namespace = $1 AND correlation_id = $2"
-            ))
-            .await;
-        let statement = self.observe(statement)?;
-        let row = client
-            .query_opt(&statement, &[&key.namespace(), &key.correlation_id()])
-            .await;
-        self.observe(row)?
+        );
+        self.query_opt(client, &sql, &[&key.namespace(), &key.correlation_id()])
+            .await?
             .map(|row| Ok((record_from_row(&row)?, row.get::<_, i64>("revision"))))
             .transpose()
     }
@@ -680,18 +699,14 @@ impl Store for PostgresStore {
             params.extend(values.params());
             // The fencing token (third column) is drawn by nextval instead.
             params.remove(4);
-            let statement = client
-                .prepare_cached(&format!(
+            let sql = format!(
                     "INSERT INTO {schema}.processed_events (namespace, correlation_id, {COLUMNS}, revision)
                      VALUES ($1, $2, $3, $4, nextval('{schema}.fencing_tokens'), $5, $6, $7, $8, $9, $10,
                              $11, $12, $13, $14, $15, $16, $17, $18, $19, nextval('{schema}.revisions'))
                      ON CONFLICT (namespace, correlation_id) DO NOTHING
                      RETURNING fencing_token, revision"
-                ))
-                .await;
-            let statement = self.observe(statement)?;
-            let inserted = client.query_opt(&statement, &params).await;
-            if let Some(row) = self.observe(inserted)? {
+                );
+            if let Some(row) = self.query_opt(&client, &sql, &params).await? {
                 let token = fencing_from_db(row.get(0));
                 let (change, answer) = apply(None, &mut || Ok(token))?;
                 if let Change::Put(record) = change {
@@ -738,9 +753,8 @@ impl Store for PostgresStore {
                     params.push(&namespace);
                     params.push(&correlation_id);
                     params.push(&revision);
-                    let statement = client
-                        .prepare_cached(&format!(
-                            "UPDATE {schema}.processed_events SET
+                    let sql = format!(
+                        "UPDATE {schema}.processed_events SET
                                (state, lease_token, fencing_token, lease_expires_at_ms, attempt,
                                 event_type, consumer_version, owner, payload_fingerprint,
                                 claimed_at_ms, committed_at_ms, retain_until_ms, retention_ms,
@@ -749,10 +763,9 @@ impl Store for PostgresStore {
                                 $16, $17, $18, nextval('{schema}.revisions'))
                              WHERE namespace = $19 AND correlation_id = $20 AND revision = $21
                              RETURNING revision"
-                        ))
-                        .await;
-                    let statement = self.observe(statement)?;
-                    self.observe(client.query_opt(&statement, &params).await)?
+                    );
+                    self.query_opt(&client, &sql, &params)
+                        .await?
                         .map(|row| row.get::<_, i64>(0))
                 }
                 (Change::Put(next), false) => {
@@ -761,35 +774,29 @@ impl Store for PostgresStore {
                     let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
                         vec![&namespace, &correlation_id];
                     params.extend(values.params());
-                    let statement = client
-                        .prepare_cached(&format!(
+                    let sql = format!(
                             "INSERT INTO {schema}.processed_events (namespace, correlation_id, {COLUMNS}, revision)
                              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
                                      $16, $17, $18, $19, $20, nextval('{schema}.revisions'))
                              ON CONFLICT (namespace, correlation_id) DO NOTHING
                              RETURNING revision"
-                        ))
-                        .await;
-                    let statement = self.observe(statement)?;
-                    self.observe(client.query_opt(&statement, &params).await)?
+                        );
+                    self.query_opt(&client, &sql, &params)
+                        .await?
                         .map(|row| row.get::<_, i64>(0))
                 }
                 (Change::Delete, true) => {
-                    let statement = client
-                        .prepare_cached(&format!(
-                            "DELETE FROM {schema}.processed_events
+                    let sql = format!(
+                        "DELETE FROM {schema}.processed_events
                               WHERE namespace = $1 AND correlation_id = $2 AND revision = $3"
-                        ))
-                        .await;
-                    let statement = self.observe(statement)?;
-                    let deleted = self.observe(
-                        client
-                            .execute(
-                                &statement,
-                                &[&key.namespace(), &key.correlation_id(), &revision],
-                            )
-                            .await,
-                    )?;
+                    );
+                    let deleted = self
+                        .execute(
+                            &client,
+                            &sql,
+                            &[&key.namespace(), &key.correlation_id(), &revision],
+                        )
+                        .await?;
                     (deleted == 1).then_some(0)
                 }
             };
@@ -830,50 +837,40 @@ impl Store for PostgresStore {
             );
             let written = match current {
                 None => {
-                    let statement = client
-                        .prepare_cached(&format!(
+                    let sql = format!(
                             "INSERT INTO {schema}.ordering_marks (namespace, ordering_key, highest, retain_until_ms)
                              VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING"
-                        ))
-                        .await;
-                    let statement = self.observe(statement)?;
-                    self.observe(
-                        client
-                            .execute(
-                                &statement,
-                                &[&scope.namespace, &scope.ordering_key, &highest, &until],
-                            )
-                            .await,
-                    )?
+                        );
+                    self.execute(
+                        &client,
+                        &sql,
+                        &[&scope.namespace, &scope.ordering_key, &highest, &until],
+                    )
+                    .await?
                 }
                 Some(old) => {
                     let (old_highest, old_until) = (
                         i64::try_from(old.highest).unwrap_or(i64::MAX),
                         millis(old.retain_until),
                     );
-                    let statement = client
-                        .prepare_cached(&format!(
-                            "UPDATE {schema}.ordering_marks SET highest = $3, retain_until_ms = $4
+                    let sql = format!(
+                        "UPDATE {schema}.ordering_marks SET highest = $3, retain_until_ms = $4
                               WHERE namespace = $1 AND ordering_key = $2
                                 AND highest = $5 AND retain_until_ms = $6"
-                        ))
-                        .await;
-                    let statement = self.observe(statement)?;
-                    self.observe(
-                        client
-                            .execute(
-                                &statement,
-                                &[
-                                    &scope.namespace,
-                                    &scope.ordering_key,
-                                    &highest,
-                                    &until,
-                                    &old_highest,
-                                    &old_until,
-                                ],
-                            )
-                            .await,
-                    )?
+                    );
+                    self.execute(
+                        &client,
+                        &sql,
+                        &[
+                            &scope.namespace,
+                            &scope.ordering_key,
+                            &highest,
+                            &until,
+                            &old_highest,
+                            &old_until,
+                        ],
+                    )
+                    .await?
                 }
             };
             if written == 1 {
@@ -971,20 +968,17 @@ impl PostgresStore {
         scope: &OrderingScope,
     ) -> Result<Option<SequenceMark>, Error> {
         let schema = &self.inner.schema;
-        let statement = client
-            .prepare_cached(&format!(
-                "SELECT highest, retain_until_ms FROM {schema}.ordering_marks
+        let sql = format!(
+            "SELECT highest, retain_until_ms FROM {schema}.ordering_marks
                   WHERE namespace = $1 AND ordering_key = $2"
-            ))
-            .await;
-        let statement = self.observe(statement)?;
-        let row = client
-            .query_opt(&statement, &[&scope.namespace, &scope.ordering_key])
-            .await;
-        Ok(self.observe(row)?.map(|row| SequenceMark {
-            highest: u64::try_from(row.get::<_, i64>(0)).unwrap_or(0),
-            retain_until: at(row.get(1)),
-        }))
+        );
+        Ok(self
+            .query_opt(client, &sql, &[&scope.namespace, &scope.ordering_key])
+            .await?
+            .map(|row| SequenceMark {
+                highest: u64::try_from(row.get::<_, i64>(0)).unwrap_or(0),
+                retain_until: at(row.get(1)),
+            }))
     }
 }
 
