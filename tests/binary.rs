@@ -11,8 +11,11 @@ use std::{
 
 mod common;
 
-use common::sidecar::{open_descriptors, terminate, Sidecar, BINARY};
-use dedupd::proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient};
+use common::{
+    claim_and_commit,
+    sidecar::{open_descriptors, terminate, Sidecar, BINARY},
+};
+use dedupd::proto::v1 as pb;
 use rand::Rng;
 use serde_json::Value;
 
@@ -403,7 +406,9 @@ async fn running_out_of_descriptors_is_an_overload_that_passes() {
     assert!(log.contains("\"allowed\":872"), "{log}");
 
     let mut client = sidecar.client().await;
-    claim_and_commit(&mut client, "fd-before").await;
+    claim_and_commit(&mut client, "fd-before", Vec::new())
+        .await
+        .expect("claim and commit");
     // Now the limit drops under the running process, below what it holds
     // plus what the connections below will take.
     let pid = sidecar.child.id();
@@ -455,7 +460,9 @@ async fn running_out_of_descriptors_is_an_overload_that_passes() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    claim_and_commit(&mut client, "fd-after").await;
+    claim_and_commit(&mut client, "fd-after", Vec::new())
+        .await
+        .expect("claim and commit");
 
     // SIGTERM with the descriptors exhausted again ends within the grace.
     let lowered = Command::new("prlimit")
@@ -468,23 +475,6 @@ async fn running_out_of_descriptors_is_an_overload_that_passes() {
         .collect();
     let (code, log) = terminate(&mut sidecar);
     assert_eq!(code, Some(0), "{log}");
-}
-
-async fn claim_and_commit(client: &mut ClaimAndCommitClient<tonic::transport::Channel>, id: &str) {
-    let claimed = client
-        .claim(claim_request(id))
-        .await
-        .expect("claim")
-        .into_inner();
-    assert_eq!(claimed.outcome, pb::ClaimOutcome::Claimed as i32, "{id}");
-    client
-        .commit(pb::CommitRequest {
-            correlation_id: id.to_owned(),
-            lease_token: claimed.lease_token,
-            ..Default::default()
-        })
-        .await
-        .expect("commit");
 }
 
 fn cli(addr: SocketAddr, args: &[&str]) -> (i32, String, String) {

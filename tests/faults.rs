@@ -14,6 +14,7 @@ use std::{
 };
 
 use common::{
+    claim_and_commit,
     sidecar::{terminate, Sidecar},
     until_health, NOT_SERVING, SERVING,
 };
@@ -68,25 +69,7 @@ fn response() -> Vec<u8> {
 /// Claims and commits `id` with a 32 KiB response; the error code of the
 /// first call that fails.
 async fn write(client: &mut ClaimAndCommitClient<Channel>, id: &str) -> Result<(), Code> {
-    let claimed = client
-        .claim(pb::ClaimRequest {
-            correlation_id: id.to_owned(),
-            ..Default::default()
-        })
-        .await
-        .map_err(|status| status.code())?
-        .into_inner();
-    assert_eq!(claimed.outcome, pb::ClaimOutcome::Claimed as i32, "{id}");
-    client
-        .commit(pb::CommitRequest {
-            correlation_id: id.to_owned(),
-            lease_token: claimed.lease_token,
-            response: response(),
-            ..Default::default()
-        })
-        .await
-        .map(|_| ())
-        .map_err(|status| status.code())
+    claim_and_commit(client, id, response()).await
 }
 
 /// Writes until a write is refused; returns the IDs that were committed.

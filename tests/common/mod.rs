@@ -459,6 +459,29 @@ pub fn claim_request(correlation_id: &str) -> pb::ClaimRequest {
     }
 }
 
+/// Claims `id` (it must be CLAIMED) and commits it with `response`; the
+/// code of the first call that fails.
+pub async fn claim_and_commit(
+    client: &mut Client,
+    id: &str,
+    response: Vec<u8>,
+) -> Result<(), tonic::Code> {
+    let claimed = client
+        .claim(claim_request(id))
+        .await
+        .map_err(|status| status.code())?
+        .into_inner();
+    assert_eq!(outcome(&claimed), pb::ClaimOutcome::Claimed, "{id}");
+    client
+        .commit(pb::CommitRequest {
+            response,
+            ..commit_request(id, &claimed.lease_token)
+        })
+        .await
+        .map(|_| ())
+        .map_err(|status| status.code())
+}
+
 pub fn commit_request(correlation_id: &str, lease_token: &str) -> pb::CommitRequest {
     pb::CommitRequest {
         correlation_id: correlation_id.to_owned(),
