@@ -149,23 +149,25 @@ async fn a_full_disk_refuses_writes_and_recovers_by_itself() {
     assert_eq!(exit.0, Some(0), "{}", exit.1);
 }
 
-/// Defects 1 and 2 without the reserve: sled meets the full disk and its
-/// flush never returns. The store must fail stop — callers answered, health
-/// NOT_SERVING, the process gone within the grace so it is restarted — and
-/// never hang.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_wedged_store_fails_stop_and_the_process_exits() {
-    let Some(disk) = SmallDisk::mount(8) else {
-        return;
-    };
-    let data = disk.data();
-    let mut sidecar = Sidecar::start_with(
-        &data,
+/// A sidecar on an 8 MiB tmpfs with the disk reserve off, filled until a
+/// write fails, so sled has met the full disk; `None` without root. Also
+/// the IDs committed before.
+async fn wedged(
+    stall_timeout: &str,
+) -> Option<(
+    SmallDisk,
+    Sidecar,
+    ClaimAndCommitClient<Channel>,
+    Vec<String>,
+)> {
+    let disk = SmallDisk::mount(8)?;
+    let sidecar = Sidecar::start_with(
+        &disk.data(),
         &[
             "--disk-reserve-mb",
             "0",
             "--store-stall-timeout",
-            "2s",
+            stall_timeout,
             "--shutdown-grace",
             "3s",
             "--request-timeout",
@@ -174,6 +176,18 @@ async fn a_wedged_store_fails_stop_and_the_process_exits() {
     );
     let mut client = sidecar.client().await;
     let (committed, _) = fill(&mut client, "wedge").await;
+    Some((disk, sidecar, client, committed))
+}
+
+/// Defects 1 and 2 without the reserve: sled meets the full disk and its
+/// flush never returns. The store must fail stop — callers answered, health
+/// NOT_SERVING, the process gone within the grace so it is restarted — and
+/// never hang.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wedged_store_fails_stop_and_the_process_exits() {
+    let Some((_disk, mut sidecar, mut client, committed)) = wedged("2s").await else {
+        return;
+    };
     // Whatever sled does next, every call is answered (no hang) and the
     // process ends by itself, not zero.
     for id in committed.iter().take(3) {
@@ -219,30 +233,16 @@ async fn a_wedged_store_fails_stop_and_the_process_exits() {
 /// sync. It ends within the grace (plus the final sync's 2 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_ends_the_process_even_on_a_wedged_store() {
-    let Some(disk) = SmallDisk::mount(8) else {
+    let Some((_disk, mut sidecar, client, _)) = wedged("10m").await else {
         return;
     };
-    let data = disk.data();
-    let mut sidecar = Sidecar::start_with(
-        &data,
-        &[
-            "--disk-reserve-mb",
-            "0",
-            "--store-stall-timeout",
-            "10m",
-            "--shutdown-grace",
-            "3s",
-        ],
-    );
-    let mut client = sidecar.client().await;
-    let _ = fill(&mut client, "term").await;
     // A call that may hang on the wedged store, in flight during SIGTERM.
     let mut stuck = client.clone();
     tokio::spawn(async move {
         let _ = stuck
             .lookup(pb::LookupRequest {
                 namespace: String::new(),
-                correlation_id: "term-0".into(),
+                correlation_id: "wedge-0".into(),
             })
             .await;
     });
