@@ -689,9 +689,13 @@ impl Store for PostgresStore {
         let client = self.client().await?;
         let schema = &self.inner.schema;
         let mut remembered = self.recall(key);
-        // A fresh key: one statement, the fencing token drawn by it.
-        let (change, _) = apply(None, &mut || Ok(PROVISIONAL))?;
-        if let (Change::Put(record), None) = (change, &remembered) {
+        // A fresh key (as far as this sidecar knows): one statement, the
+        // fencing token drawn by it.
+        let fresh = match remembered {
+            None => apply(None, &mut || Ok(PROVISIONAL))?.0,
+            Some(_) => Change::Keep,
+        };
+        if let Change::Put(record) = fresh {
             let values = RecordValues::new(&record);
             let (namespace, correlation_id) = (key.namespace(), key.correlation_id());
             let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
