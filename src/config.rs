@@ -18,8 +18,10 @@ use crate::{
     listen::ListenAddr,
     server::ConnectionLimits,
     store::{
-        postgres::{check_schema, PostgresConfig},
+        postgres::{self, check_schema, PostgresConfig},
+        redis::{self, RedisConfig},
         sled::{SledConfig, SyncMode},
+        tiered::LocalTierConfig,
     },
 };
 
@@ -57,6 +59,8 @@ pub enum StoreKind {
     Sled,
     /// PostgreSQL at --store-url: every sidecar shares the records.
     Postgres,
+    /// Redis at --store-url: every sidecar shares the records.
+    Redis,
 }
 
 /// `--sync`, mapped onto the store's [`SyncMode`].
@@ -150,32 +154,43 @@ pub struct ServeArgs {
     /// long; clients reconnect.
     #[arg(long, env = "DEDUPD_MAX_CONNECTION_AGE", default_value = "1h")]
     pub max_connection_age: humantime::Duration,
-    /// Where records live: `sled` (embedded, one sidecar's own) or
-    /// `postgres` (shared by every sidecar; needs --store-url).
+    /// Where records live: `sled` (embedded, one sidecar's own), or
+    /// `postgres` / `redis` (shared by every sidecar; need --store-url).
     #[arg(long, env = "DEDUPD_STORE", value_enum, default_value_t = StoreKind::Sled)]
     pub store: StoreKind,
-    /// The shared store's URL (`postgres://user:password@host:5432/db`);
-    /// prefer --store-url-file for one with a password.
+    /// The shared store's URL (`postgres://user:password@host:5432/db`,
+    /// `redis://:password@host:6379/0`, `rediss://…` for TLS); prefer
+    /// --store-url-file for one with a password.
     #[arg(long, env = "DEDUPD_STORE_URL", hide_env_values = true)]
     pub store_url: Option<String>,
     /// File holding the shared store's URL (e.g. a mounted Secret).
     #[arg(long, env = "DEDUPD_STORE_URL_FILE")]
     pub store_url_file: Option<PathBuf>,
-    /// PEM file of the CA (or the certificate itself) that signed the
-    /// PostgreSQL server's TLS certificate, instead of the system's roots.
-    /// TLS is used when the URL says `sslmode=require`.
+    /// PEM file of the CA (or the certificate itself) that signed the shared
+    /// store's TLS certificate, instead of the system's roots. TLS is used
+    /// when the URL says `sslmode=require` (PostgreSQL) or `rediss://`.
     #[arg(long, env = "DEDUPD_STORE_CA_FILE")]
     pub store_ca_file: Option<PathBuf>,
-    /// PostgreSQL schema for dedupd's tables (created if missing).
+    /// PostgreSQL schema for dedupd's tables (created if missing), or the
+    /// prefix of every Redis key dedupd writes (`<schema>:`).
     #[arg(long, env = "DEDUPD_STORE_SCHEMA", default_value = "dedupd")]
     pub store_schema: String,
-    /// Connections to the shared store.
+    /// Connections to the shared store (Redis: multiplexed connections,
+    /// calls spread over them in turn).
     #[arg(long, env = "DEDUPD_STORE_POOL_SIZE", default_value_t = 16)]
     pub store_pool_size: usize,
-    /// Longest one statement on the shared store may take (and a connection
+    /// Longest one call to the shared store may take (and a connection
     /// attempt); longer is UNAVAILABLE.
     #[arg(long, env = "DEDUPD_STORE_TIMEOUT", default_value = "5s")]
     pub store_timeout: humantime::Duration,
+    /// Shared stores only: MiB of committed records this sidecar keeps in
+    /// its local tier (in --data-dir/local-tier) to answer duplicates without
+    /// asking the shared store; 0 turns the local tier off.
+    #[arg(long, env = "DEDUPD_LOCAL_TIER_MB", default_value_t = 64)]
+    pub local_tier_mb: u64,
+    /// Shared stores only: longest the local tier keeps a record.
+    #[arg(long, env = "DEDUPD_LOCAL_TIER_MAX_AGE", default_value = "10m")]
+    pub local_tier_max_age: humantime::Duration,
     /// Directory of the embedded store (created if missing).
     #[arg(long, env = "DEDUPD_DATA_DIR", default_value = "./dedupd-data")]
     pub data_dir: PathBuf,
@@ -247,15 +262,53 @@ pub struct ServeArgs {
 pub enum StoreSettings {
     /// The embedded store.
     Sled(SledConfig),
-    /// PostgreSQL; the URL is read by `main` (it may come from a file).
-    Postgres {
+    /// A store every sidecar shares; the URL is read by `main` (it may come
+    /// from a file).
+    Shared {
         /// Where the URL comes from.
         url: StoreUrlSource,
         /// The CA to trust for the server's certificate, read by `main`.
         ca_file: Option<PathBuf>,
-        /// Schema, pool and timeout (the URL filled in once read).
-        config: PostgresConfig,
+        /// Which server, and how to use it (the URL filled in once read).
+        backend: SharedBackend,
+        /// This sidecar's local tier, unless turned off.
+        local_tier: Option<LocalTierConfig>,
     },
+}
+
+/// The server behind a shared store.
+#[derive(Debug, Clone)]
+pub enum SharedBackend {
+    /// PostgreSQL.
+    Postgres(PostgresConfig),
+    /// Redis.
+    Redis(RedisConfig),
+}
+
+impl SharedBackend {
+    /// Checks a URL for this server; the problem without the password.
+    pub fn check_url(&self, url: &str) -> Result<(), String> {
+        match self {
+            SharedBackend::Postgres(_) => postgres::check_url(url),
+            SharedBackend::Redis(_) => redis::check_url(url),
+        }
+    }
+
+    /// The same backend with its URL and CA filled in.
+    pub fn with_secrets(&self, url: String, ca_pem: Option<Vec<u8>>) -> SharedBackend {
+        match self {
+            SharedBackend::Postgres(config) => SharedBackend::Postgres(PostgresConfig {
+                url,
+                ca_pem,
+                ..config.clone()
+            }),
+            SharedBackend::Redis(config) => SharedBackend::Redis(RedisConfig {
+                url,
+                ca_pem,
+                ..config.clone()
+            }),
+        }
+    }
 }
 
 /// A validated server configuration: plain values, nothing opened or read.
@@ -341,7 +394,8 @@ impl ServeArgs {
             StoreKind::Sled => {
                 if url.value.is_some() || url.file.is_some() {
                     return Err(
-                        "--store-url is for --store postgres (the default store is sled)".into(),
+                        "--store-url is for --store postgres or redis (the default store is sled)"
+                            .into(),
                     );
                 }
                 Ok(StoreSettings::Sled(SledConfig {
@@ -352,27 +406,49 @@ impl ServeArgs {
                     stall_timeout,
                 }))
             }
-            StoreKind::Postgres => {
+            StoreKind::Postgres | StoreKind::Redis => {
                 check_schema(&self.store_schema)
                     .map_err(|problem| format!("--store-schema {problem}"))?;
                 if self.store_pool_size == 0 {
                     return Err("--store-pool-size must be at least 1".into());
                 }
-                let statement_timeout = check_duration_flag(
+                let timeout = check_duration_flag(
                     "store-timeout",
                     self.store_timeout.into(),
                     Duration::from_secs(600),
                 )?;
-                Ok(StoreSettings::Postgres {
-                    url,
-                    ca_file: self.store_ca_file.clone(),
-                    config: PostgresConfig {
+                let backend = if self.store == StoreKind::Postgres {
+                    SharedBackend::Postgres(PostgresConfig {
                         url: String::new(),
                         schema: self.store_schema.clone(),
                         pool_size: self.store_pool_size,
-                        statement_timeout,
+                        statement_timeout: timeout,
                         ca_pem: None,
-                    },
+                    })
+                } else {
+                    SharedBackend::Redis(RedisConfig {
+                        url: String::new(),
+                        prefix: self.store_schema.clone(),
+                        connections: self.store_pool_size,
+                        timeout,
+                        ca_pem: None,
+                    })
+                };
+                let max_age = check_duration_flag(
+                    "local-tier-max-age",
+                    self.local_tier_max_age.into(),
+                    Duration::from_secs(365 * 86_400),
+                )?;
+                let local_tier = (self.local_tier_mb > 0).then(|| LocalTierConfig {
+                    path: self.data_dir.join("local-tier"),
+                    max_bytes: self.local_tier_mb.saturating_mul(1 << 20),
+                    max_age,
+                });
+                Ok(StoreSettings::Shared {
+                    url,
+                    ca_file: self.store_ca_file.clone(),
+                    backend,
+                    local_tier,
                 })
             }
         }

@@ -89,8 +89,9 @@ impl std::fmt::Debug for StoreUrlSource {
 }
 
 impl StoreUrlSource {
-    /// The URL, checked; the problem in one line without the password.
-    pub fn load(&self) -> Result<String, String> {
+    /// The URL, checked by `check`; the problem in one line without the
+    /// password.
+    pub fn load(&self, check: impl Fn(&str) -> Result<(), String>) -> Result<String, String> {
         let url = match (&self.value, &self.file) {
             (Some(_), Some(_)) => {
                 return Err("give --store-url or --store-url-file, not both".into())
@@ -101,11 +102,10 @@ impl StoreUrlSource {
                 .trim()
                 .to_owned(),
             (None, None) => {
-                return Err("--store postgres needs --store-url or --store-url-file".into())
+                return Err("a shared --store needs --store-url or --store-url-file".into())
             }
         };
-        crate::store::postgres::check_url(&url)
-            .map_err(|problem| format!("--store-url {problem}"))?;
+        check(&url).map_err(|problem| format!("--store-url {problem}"))?;
         Ok(url)
     }
 }

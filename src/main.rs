@@ -9,12 +9,15 @@ use clap::{error::ErrorKind, Parser};
 use dedupd::{
     cli,
     clock::SystemClock,
-    config::{Cli, Command, LogFormat, ServeArgs, Settings, StoreSettings},
+    config::{Cli, Command, LogFormat, ServeArgs, Settings, SharedBackend, StoreSettings},
     credentials::{read_pem_file, TlsFiles},
     store::{
-        postgres::{redact_url, PostgresConfig, PostgresStore},
+        postgres::{redact_url, PostgresStore},
+        redis::RedisStore,
+        shared::DeletionFeed,
         sled::SledStore,
-        CommitObserver, Store,
+        tiered::{LocalTierConfig, Tiered},
+        Store, StoreObserver,
     },
     GuardConfig, Listener, Listeners, Metrics, ServerConfig,
 };
@@ -72,6 +75,31 @@ fn runtime(worker_threads: usize) -> Result<tokio::runtime::Runtime, ExitCode> {
     })
 }
 
+/// Runs on a shared store, with this sidecar's local tier in front unless
+/// it is turned off.
+async fn serve_shared<S: Store + DeletionFeed>(
+    store: S,
+    local_tier: Option<&LocalTierConfig>,
+    observer: Arc<dyn StoreObserver>,
+    settings: &Settings,
+    server: ServerConfig,
+) -> ExitCode {
+    let Some(config) = local_tier else {
+        return serve_on(Arc::new(store), settings, server).await;
+    };
+    match Tiered::open(Arc::new(store), config, Some(observer)) {
+        Ok(tiered) => {
+            tracing::info!(path = %config.path.display(), max_bytes = config.max_bytes, max_age = ?config.max_age, "local tier");
+            let _upkeep = tiered.keep_current();
+            serve_on(Arc::new(tiered), settings, server).await
+        }
+        Err(error) => {
+            tracing::error!(%error, path = %config.path.display(), "cannot open the local tier");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 /// Binds every listener and runs the server on `store` until shutdown.
 async fn serve_on<S: Store>(store: Arc<S>, settings: &Settings, server: ServerConfig) -> ExitCode {
     let mut grpc = Vec::with_capacity(settings.listen.len());
@@ -117,25 +145,42 @@ fn serve(args: &ServeArgs) -> ExitCode {
         Err(code) => return code,
     };
     let code = runtime.block_on(async move {
+        let observer: Arc<dyn StoreObserver> = Arc::clone(&server.metrics) as _;
         match &store {
-            StoreSettings::Sled(config) => {
-                let observer: Arc<dyn CommitObserver> = Arc::clone(&server.metrics) as _;
-                match SledStore::open_observed(config, Some(observer)) {
-                    Ok(store) => serve_on(Arc::new(store), &settings, server).await,
-                    Err(error) => {
-                        tracing::error!(%error, data_dir = %config.path.display(), "cannot open the store");
-                        ExitCode::FAILURE
-                    }
+            StoreSettings::Sled(config) => match SledStore::open_observed(config, Some(observer)) {
+                Ok(store) => serve_on(Arc::new(store), &settings, server).await,
+                Err(error) => {
+                    tracing::error!(%error, data_dir = %config.path.display(), "cannot open the store");
+                    ExitCode::FAILURE
                 }
-            }
-            StoreSettings::Postgres { config, .. } => match PostgresStore::new(config) {
+            },
+            StoreSettings::Shared {
+                backend: SharedBackend::Postgres(config),
+                local_tier,
+                ..
+            } => match PostgresStore::new(config) {
                 Ok(store) => {
                     tracing::info!(url = %redact_url(&config.url), schema = %config.schema, "shared store: PostgreSQL");
                     let _upkeep = store.keep_connected();
-                    serve_on(Arc::new(store), &settings, server).await
+                    serve_shared(store, local_tier.as_ref(), observer, &settings, server).await
                 }
                 Err(error) => {
                     tracing::error!(%error, "cannot set up the PostgreSQL store");
+                    ExitCode::FAILURE
+                }
+            },
+            StoreSettings::Shared {
+                backend: SharedBackend::Redis(config),
+                local_tier,
+                ..
+            } => match RedisStore::new(config, Arc::clone(&server.clock)) {
+                Ok(store) => {
+                    tracing::info!(url = %redact_url(&config.url), prefix = %config.prefix, "shared store: Redis");
+                    let _upkeep = store.keep_connected();
+                    serve_shared(store, local_tier.as_ref(), observer, &settings, server).await
+                }
+                Err(error) => {
+                    tracing::error!(%error, "cannot set up the Redis store");
                     ExitCode::FAILURE
                 }
             },
@@ -153,21 +198,22 @@ fn configure(args: &ServeArgs) -> Result<(Settings, StoreSettings, ServerConfig)
     let settings = args.validate()?;
     let store = match &settings.store {
         StoreSettings::Sled(config) => StoreSettings::Sled(config.clone()),
-        StoreSettings::Postgres {
+        StoreSettings::Shared {
             url,
             ca_file,
-            config,
-        } => StoreSettings::Postgres {
+            backend,
+            local_tier,
+        } => StoreSettings::Shared {
             url: url.clone(),
             ca_file: ca_file.clone(),
-            config: PostgresConfig {
-                url: url.load()?,
-                ca_pem: ca_file
+            backend: backend.with_secrets(
+                url.load(|url| backend.check_url(url))?,
+                ca_file
                     .as_deref()
                     .map(|file| read_pem_file("store-ca-file", file))
                     .transpose()?,
-                ..config.clone()
-            },
+            ),
+            local_tier: local_tier.clone(),
         },
     };
     let tokens = settings.auth.load()?;

@@ -1,10 +1,10 @@
 //! Prometheus metrics: outcomes per namespace, RPC latency, group commits,
-//! store size and reaper work. Rendered in the OpenMetrics text format by the
+//! store size, reaper work and local-tier hits. Rendered in the OpenMetrics text format by the
 //! ops HTTP server (`/metrics`).
 
 use std::{collections::HashSet, fmt, sync::Mutex, time::Duration};
 
-use crate::{domain::OutcomeKind, store::CommitObserver};
+use crate::{domain::OutcomeKind, store::StoreObserver};
 use prometheus_client::{
     encoding::{text::encode, EncodeLabelSet},
     metrics::{
@@ -28,6 +28,11 @@ struct OutcomeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LocalTierLabels {
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RpcLabels {
     rpc: &'static str,
 }
@@ -48,6 +53,7 @@ pub struct Metrics {
     disk_bytes: Gauge,
     reaped: Counter,
     reaper_passes: Counter,
+    local_tier: Family<LocalTierLabels, Counter>,
     namespaces: Mutex<HashSet<String>>,
 }
 
@@ -57,10 +63,15 @@ impl fmt::Debug for Metrics {
     }
 }
 
-impl CommitObserver for Metrics {
+impl StoreObserver for Metrics {
     fn group_commit(&self, callers: usize, elapsed: Duration) {
         self.group_commit_size.observe(callers as f64);
         self.sync_seconds.observe(elapsed.as_secs_f64());
+    }
+
+    fn local_tier(&self, hit: bool) {
+        let result = if hit { "hit" } else { "miss" };
+        self.local_tier.get_or_create(&LocalTierLabels { result }).inc();
     }
 }
 
@@ -120,6 +131,12 @@ impl Metrics {
         );
         let reaper_passes = Counter::default();
         registry.register("reaper_passes", "Reaper passes run", reaper_passes.clone());
+        let local_tier = Family::<LocalTierLabels, Counter>::default();
+        registry.register(
+            "local_tier_lookups",
+            "Calls the local tier answered (result=hit) or sent on to the shared store (result=miss)",
+            local_tier.clone(),
+        );
         Metrics {
             registry,
             outcomes,
@@ -130,6 +147,7 @@ impl Metrics {
             disk_bytes,
             reaped,
             reaper_passes,
+            local_tier,
             namespaces: Mutex::new(HashSet::new()),
         }
     }

@@ -29,7 +29,7 @@ async fn start(adjust: impl FnOnce(&mut ServerConfig)) -> TestServer {
 }
 
 /// Stops `server` cleanly and checks it removed its socket file.
-async fn stop<S: Store + TestSchema>(server: TestServer<S>) {
+async fn stop<S: Store + TestSpace>(server: TestServer<S>) {
     let socket = server.socket.clone().expect("a unix socket");
     server.stop().await.expect("clean stop");
     assert!(!socket.exists(), "the socket file is removed on shutdown");

@@ -158,10 +158,10 @@ async fn sidecars_starting_together_migrate_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_postgres_is_unavailable_and_recovers_by_itself() {
     let schema = postgres::fresh_schema();
-    let forwarder = postgres::Forwarder::start().await;
+    let forwarder = Forwarder::start(5432).await;
     forwarder.cut();
     let store = PostgresStore::new(&dedupd::store::postgres::PostgresConfig {
-        url: forwarder.url(),
+        url: format!("postgres://postgres@127.0.0.1:{}/test", forwarder.port),
         statement_timeout: std::time::Duration::from_secs(1),
         ..postgres::config(&schema)
     })

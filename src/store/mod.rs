@@ -5,13 +5,19 @@
 //! The rules of protocol §2 (docs/protocol.md) live in [`crate::machine`];
 //! a store only runs the closure the engine gives it, atomically, and
 //! applies the [`Change`] it returns: sled by compare-and-swap, PostgreSQL by
-//! an insert for a fresh key or an update conditional on the row's revision.
+//! an insert for a fresh key or an update conditional on the row's revision,
+//! Redis by a script that writes only if the record is what was read. In
+//! front of a shared store, [`tiered::Tiered`] answers duplicates of keys
+//! this sidecar has seen committed from its own local tier.
 
 pub mod codec;
 mod disk;
 pub mod memory;
 pub mod postgres;
+pub mod redis;
+pub mod shared;
 pub mod sled;
+pub mod tiered;
 
 use std::{fmt, future::Future, time::Duration};
 
@@ -26,11 +32,16 @@ use crate::{
 /// claim is granted.
 pub type IssueFencing<'a> = &'a mut dyn FnMut() -> Result<FencingToken, Error>;
 
-/// Told about each group commit (how many callers one disk sync answered,
-/// and how long it took), so a store reports without knowing the metrics.
-pub trait CommitObserver: Send + Sync + fmt::Debug {
-    /// One group commit finished.
+/// Told what a store did (group commits, local-tier lookups), so a store
+/// reports without knowing the metrics.
+pub trait StoreObserver: Send + Sync + fmt::Debug {
+    /// One group commit finished: how many callers one disk sync answered,
+    /// and how long it took.
     fn group_commit(&self, callers: usize, elapsed: Duration);
+
+    /// The local tier answered a call (`hit`) or sent it on to the shared
+    /// store.
+    fn local_tier(&self, hit: bool);
 }
 
 /// What one pass of the reaper did.

@@ -25,22 +25,28 @@
 //! an answer leaves only once PostgreSQL has made its change durable.
 
 use std::{
-    collections::HashMap,
     fmt,
     str::FromStr,
     sync::{
         atomic::{AtomicBool, Ordering::SeqCst},
-        Arc, Mutex,
+        Arc,
     },
     time::Duration,
 };
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use rustls::pki_types::{pem::PemObject, CertificateDer};
+use tokio::sync::mpsc;
 use tokio_postgres::{config::SslMode, NoTls, Row};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use super::{IssueFencing, ReapReport, Store, StoreStats};
+use super::{
+    shared::{
+        deletion_message, parse_deletion, DeletionFeed, Reachability, RecentWrites, FEED_BUFFER,
+        HEARTBEAT,
+    },
+    IssueFencing, ReapReport, Store, StoreStats,
+};
 use crate::{
     clock::UnixMillis,
     domain::{FencingToken, Key, LeaseToken, OrderingPosition, OrderingScope, Record, RecordState},
@@ -199,17 +205,26 @@ struct Inner {
     schema: String,
     /// Set once the schema is in place; until then every call is UNAVAILABLE.
     ready: AtomicBool,
-    /// Why the last statement failed for want of the server, if it did.
-    unreachable: Mutex<Option<String>>,
+    reachability: Reachability,
     /// Rows this sidecar wrote last, with their revision: a Commit after our
-    /// own Claim can write back `WHERE revision = $cached` at once, without
-    /// reading first. Only ever a guess for a write the condition verifies;
-    /// never the source of an answer that changes nothing.
-    recent: Mutex<HashMap<Key, (Record, i64)>>,
+    /// own Claim can write back `WHERE revision = $cached` at once.
+    recent: RecentWrites<(Record, i64)>,
+    /// How to open the dedicated connection the deletion feed listens on.
+    listen: Listen,
+    /// Longest one statement (or connection attempt) may take.
+    timeout: Duration,
 }
 
-/// Most rows remembered in [`Inner::recent`]; past it the memory starts over.
-const RECENT_ROWS: usize = 16_384;
+/// A connection of its own for `LISTEN` (a pooled one would be recycled).
+#[derive(Clone)]
+enum Listen {
+    Plain(tokio_postgres::Config),
+    Tls(tokio_postgres::Config, MakeRustlsConnect),
+}
+
+/// The channel every dedupd over one database notifies deletions on; the
+/// payload names the schema, so sidecars over other schemas ignore it.
+const DELETION_CHANNEL: &str = "dedupd_deleted";
 
 impl fmt::Debug for PostgresStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -238,11 +253,13 @@ impl PostgresStore {
         };
         // TLS only when the URL insists (sslmode=require), and then always
         // verified: an unverified "prefer" handshake would only look secure.
-        let manager = if pg.get_ssl_mode() == SslMode::Require {
+        let (manager, listen) = if pg.get_ssl_mode() == SslMode::Require {
             let tls = MakeRustlsConnect::new(tls_config(config.ca_pem.as_deref())?);
-            Manager::from_config(pg, tls, recycling())
+            let listen = Listen::Tls(pg.clone(), tls.clone());
+            (Manager::from_config(pg, tls, recycling()), listen)
         } else {
-            Manager::from_config(pg, NoTls, recycling())
+            let listen = Listen::Plain(pg.clone());
+            (Manager::from_config(pg, NoTls, recycling()), listen)
         };
         let pool = Pool::builder(manager)
             .max_size(config.pool_size)
@@ -257,8 +274,10 @@ impl PostgresStore {
                 pool,
                 schema: config.schema.clone(),
                 ready: AtomicBool::new(false),
-                unreachable: Mutex::new(Some("not connected yet".into())),
-                recent: Mutex::new(HashMap::new()),
+                reachability: Reachability::default(),
+                recent: RecentWrites::default(),
+                listen,
+                timeout: config.statement_timeout,
             }),
         })
     }
@@ -358,28 +377,15 @@ impl PostgresStore {
             .get()
             .await
             .map_err(|error| Error::Unavailable(format!("PostgreSQL unreachable: {error}")));
-        if let Err(Error::Unavailable(reason)) = &client {
-            *self.inner.unreachable.lock().expect("lock") = Some(reason.clone());
+        match client {
+            Ok(client) => Ok(client),
+            Err(error) => self.inner.reachability.observe(Err(error)),
         }
-        client
     }
 
     /// Notes whether the server answered, for health.
     fn observe<T>(&self, result: Result<T, tokio_postgres::Error>) -> Result<T, Error> {
-        let mut unreachable = self.inner.unreachable.lock().expect("lock");
-        match result {
-            Ok(value) => {
-                *unreachable = None;
-                Ok(value)
-            }
-            Err(error) => {
-                let error = db_error(error);
-                if let Error::Unavailable(reason) = &error {
-                    *unreachable = Some(reason.clone());
-                }
-                Err(error)
-            }
-        }
+        self.inner.reachability.observe(result.map_err(db_error))
     }
 
     fn ready(&self) -> Result<(), Error> {
@@ -446,22 +452,6 @@ impl PostgresStore {
     ) -> Result<Option<Row>, Error> {
         let statement = self.observe(client.prepare_cached(sql).await)?;
         self.observe(client.query_opt(&statement, params).await)
-    }
-
-    fn recall(&self, key: &Key) -> Option<(Record, i64)> {
-        self.inner.recent.lock().expect("lock").remove(key)
-    }
-
-    fn remember(&self, key: &Key, record: Record, revision: i64) {
-        let mut recent = self.inner.recent.lock().expect("lock");
-        if recent.len() >= RECENT_ROWS {
-            recent.clear();
-        }
-        recent.insert(key.clone(), (record, revision));
-    }
-
-    fn forget_row(&self, key: &Key) {
-        self.inner.recent.lock().expect("lock").remove(key);
     }
 
     /// Asks the server whether it answers (for health; cheap).
@@ -688,7 +678,7 @@ impl Store for PostgresStore {
         self.ready()?;
         let client = self.client().await?;
         let schema = &self.inner.schema;
-        let mut remembered = self.recall(key);
+        let mut remembered = self.inner.recent.recall(key);
         // A fresh key (as far as this sidecar knows): one statement, the
         // fencing token drawn by it.
         let fresh = match remembered {
@@ -714,7 +704,7 @@ impl Store for PostgresStore {
                 let token = fencing_from_db(row.get(0));
                 let (change, answer) = apply(None, &mut || Ok(token))?;
                 if let Change::Put(record) = change {
-                    self.remember(key, record, row.get(1));
+                    self.inner.recent.remember(key, (record, row.get(1)));
                 }
                 return Ok(answer);
             }
@@ -790,30 +780,35 @@ impl Store for PostgresStore {
                         .map(|row| row.get::<_, i64>(0))
                 }
                 (Change::Delete, true) => {
+                    // The notice goes out with the deletion's commit, or not
+                    // at all: other sidecars' local tiers drop the key.
                     let sql = format!(
-                        "DELETE FROM {schema}.processed_events
-                              WHERE namespace = $1 AND correlation_id = $2 AND revision = $3"
+                        "WITH deleted AS (
+                           DELETE FROM {schema}.processed_events
+                            WHERE namespace = $1 AND correlation_id = $2 AND revision = $3
+                           RETURNING 1)
+                         SELECT pg_notify('{DELETION_CHANNEL}', $4) FROM deleted"
                     );
-                    let deleted = self
-                        .execute(
-                            &client,
-                            &sql,
-                            &[&key.namespace(), &key.correlation_id(), &revision],
-                        )
-                        .await?;
-                    (deleted == 1).then_some(0)
+                    let notice = format!("{schema} {}", deletion_message(key));
+                    self.query_opt(
+                        &client,
+                        &sql,
+                        &[&key.namespace(), &key.correlation_id(), &revision, &notice],
+                    )
+                    .await?
+                    .map(|_| 0)
                 }
             };
             if let Some(new_revision) = written {
                 match change {
-                    Change::Put(record) => self.remember(key, record, new_revision),
-                    Change::Delete | Change::Keep => self.forget_row(key),
+                    Change::Put(record) => self.inner.recent.remember(key, (record, new_revision)),
+                    Change::Delete | Change::Keep => self.inner.recent.forget(key),
                 }
                 return Ok(answer);
             }
             // Another sidecar changed the row between our read (or memory)
             // and our write: read it again.
-            self.forget_row(key);
+            self.inner.recent.forget(key);
         }
     }
 
@@ -931,10 +926,7 @@ impl Store for PostgresStore {
 
     fn writable(&self) -> Result<(), Error> {
         self.ready()?;
-        match &*self.inner.unreachable.lock().expect("lock") {
-            Some(reason) => Err(Error::Unavailable(reason.clone())),
-            None => Ok(()),
-        }
+        self.inner.reachability.check()
     }
 
     async fn stats(&self) -> StoreStats {
@@ -983,6 +975,89 @@ impl PostgresStore {
                 highest: u64::try_from(row.get::<_, i64>(0)).unwrap_or(0),
                 retain_until: at(row.get(1)),
             }))
+    }
+}
+
+impl DeletionFeed for PostgresStore {
+    async fn subscribe(&self) -> Result<mpsc::Receiver<Key>, Error> {
+        let (notices, mut noticed) = mpsc::unbounded_channel();
+        let connected = tokio::time::timeout(self.inner.timeout, async {
+            let client = match &self.inner.listen {
+                Listen::Plain(config) => {
+                    let (client, connection) = config.connect(NoTls).await?;
+                    tokio::spawn(forward_notices(connection, notices));
+                    client
+                }
+                Listen::Tls(config, tls) => {
+                    let (client, connection) = config.connect(tls.clone()).await?;
+                    tokio::spawn(forward_notices(connection, notices));
+                    client
+                }
+            };
+            client
+                .batch_execute(&format!("LISTEN {DELETION_CHANNEL}"))
+                .await?;
+            Ok(client)
+        })
+        .await
+        .map_err(|_| Error::Unavailable("PostgreSQL did not answer LISTEN".into()))?;
+        let client = self.observe(connected)?;
+        let schema = self.inner.schema.clone();
+        let (deleted, receiver) = mpsc::channel(FEED_BUFFER);
+        tokio::spawn(async move {
+            let mut heartbeat = tokio::time::interval(HEARTBEAT);
+            loop {
+                tokio::select! {
+                    notice = noticed.recv() => {
+                        let Some(notice) = notice else { break };
+                        let key = notice
+                            .payload()
+                            .split_once(' ')
+                            .filter(|(from, _)| *from == schema)
+                            .and_then(|(_, key)| parse_deletion(key));
+                        if let Some(key) = key {
+                            if deleted.send(key).await.is_err() {
+                                break;
+                            }
+                        }
+                    }
+                    _ = heartbeat.tick() => {
+                        // A connection that died without a word is found here.
+                        match tokio::time::timeout(HEARTBEAT, client.simple_query("SELECT 1")).await {
+                            Ok(Ok(_)) => {}
+                            _ => break,
+                        }
+                    }
+                    () = deleted.closed() => break,
+                }
+            }
+        });
+        Ok(receiver)
+    }
+}
+
+/// Drives the listening connection, handing its notifications on; returns
+/// when the connection ends.
+async fn forward_notices<S, T>(
+    mut connection: tokio_postgres::Connection<S, T>,
+    notices: mpsc::UnboundedSender<tokio_postgres::Notification>,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    while let Some(message) = std::future::poll_fn(|cx| connection.poll_message(cx)).await {
+        match message {
+            Ok(tokio_postgres::AsyncMessage::Notification(notice)) => {
+                if notices.send(notice).is_err() {
+                    return;
+                }
+            }
+            Ok(_) => {}
+            Err(error) => {
+                tracing::debug!(%error, "PostgreSQL deletion feed connection ended");
+                return;
+            }
+        }
     }
 }
 

@@ -42,7 +42,7 @@ use tokio::sync::{oneshot, watch};
 use super::{
     codec::{decode_mark, decode_record, encode_mark, encode_record},
     disk::{DiskSpace, WriteKind},
-    CommitObserver, IssueFencing, ReapReport, Store, StoreStats,
+    StoreObserver, IssueFencing, ReapReport, Store, StoreStats,
 };
 use crate::{
     clock::UnixMillis,
@@ -279,7 +279,7 @@ impl SledStore {
     /// Like [`SledStore::open`], telling `observer` about each group commit.
     pub fn open_observed(
         config: &SledConfig,
-        observer: Option<Arc<dyn CommitObserver>>,
+        observer: Option<Arc<dyn StoreObserver>>,
     ) -> Result<SledStore, Error> {
         std::fs::create_dir_all(&config.path)?;
         let db = sled::Config::new()
@@ -619,7 +619,7 @@ fn spawn_committer(
     counters: Arc<WriteCounters>,
     failure: Arc<Failure>,
     stall: Arc<StallWatch>,
-    observer: Option<Arc<dyn CommitObserver>>,
+    observer: Option<Arc<dyn StoreObserver>>,
 ) -> Result<Committer, Error> {
     let (queue, waiters) = mpsc::channel::<Waiter>();
     let thread = thread::Builder::new()

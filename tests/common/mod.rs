@@ -4,8 +4,13 @@
 
 #![allow(dead_code)]
 
+pub mod forwarder;
 pub mod postgres;
+pub mod redis;
 pub mod sidecar;
+
+#[allow(unused_imports)]
+pub use forwarder::Forwarder;
 
 use std::{
     net::SocketAddr,
@@ -18,7 +23,7 @@ use std::{
 };
 
 use dedupd::{
-    clock::{ManualClock, UnixMillis},
+    clock::{Clock, ManualClock, UnixMillis},
     domain::{Key, OrderingScope, Record},
     machine::{Change, SequenceMark},
     proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient},
@@ -26,8 +31,10 @@ use dedupd::{
     store::{
         memory::MemoryStore,
         postgres::PostgresStore,
+        redis::RedisStore,
         sled::{SledConfig, SledStore},
-        IssueFencing, ReapReport, Store, StoreStats,
+        tiered::Tiered,
+        IssueFencing, ReapReport, Store, StoreObserver, StoreStats,
     },
     Error, ListenAddr, Listener, Listeners, Metrics,
 };
@@ -67,7 +74,7 @@ pub struct Builder {
     clock: ManualClock,
     unix_socket: bool,
     ops: bool,
-    schema: Option<String>,
+    space: Option<Space>,
 }
 
 impl Builder {
@@ -97,24 +104,25 @@ impl Builder {
     }
 
     /// Starts over the suite's store (see [`TestStore`]): sled in the
-    /// directory, reporting group commits into the server's metrics, or
-    /// PostgreSQL in a schema of its own.
+    /// directory, reporting group commits into the server's metrics, or a
+    /// shared store in a space of its own.
     pub async fn start(self) -> TestServer {
         let dir = self.directory();
         let store = Arc::new(
             TestStore::open(
                 &dir.path().join("data"),
                 Arc::clone(&self.config.metrics),
-                self.schema.clone(),
+                Arc::new(self.clock.clone()),
+                self.space.clone(),
             )
             .await,
         );
         self.start_on(dir, store).await
     }
 
-    /// Reuses `schema` when the suite runs on PostgreSQL (a restart).
-    fn in_schema(mut self, schema: Option<String>) -> Self {
-        self.schema = schema;
+    /// Reuses `space` when the suite runs on a shared store (a restart).
+    fn in_space(mut self, space: Option<Space>) -> Self {
+        self.space = space;
         self
     }
 
@@ -189,7 +197,7 @@ impl TestServer {
             clock: ManualClock::new(START),
             unix_socket: false,
             ops: false,
-            schema: None,
+            space: None,
         }
     }
 
@@ -209,54 +217,129 @@ impl TestServer {
         let TestServer {
             dir, clock, store, ..
         } = self;
-        let schema = store.schema().map(str::to_owned);
+        let space = store.test_space();
         drop(store);
         TestServer::builder()
             .in_dir(dir, clock)
-            .in_schema(schema)
+            .in_space(space)
             .start()
             .await
     }
 }
 
-/// What the suite's servers run on: sled, or PostgreSQL when
-/// `DEDUPD_TEST_STORE=postgres` (`.ci/run` runs the wire tests both ways),
-/// so every store passes the same tests.
+/// What the suite's servers run on: sled, or a shared store with a local
+/// tier in front when `DEDUPD_TEST_STORE=postgres` or `redis` (`.ci/run`
+/// runs the wire tests all three ways), so every store passes the same
+/// tests.
 pub enum TestStore {
     Sled(SledStore),
     Postgres {
-        store: PostgresStore,
+        store: Tiered<PostgresStore>,
         schema: String,
+        upkeep: JoinHandle<()>,
+    },
+    Redis {
+        store: Tiered<RedisStore>,
+        prefix: String,
+        upkeep: JoinHandle<()>,
     },
 }
 
-impl TestStore {
-    /// Whether the suite runs on PostgreSQL this time.
-    pub fn on_postgres() -> bool {
-        std::env::var("DEDUPD_TEST_STORE").is_ok_and(|store| store == "postgres")
-    }
+/// Runs `$call` on whichever store `$self` holds, bound to `$store`.
+macro_rules! on_each {
+    ($self:expr, $store:ident => $call:expr) => {
+        match $self {
+            TestStore::Sled($store) => $call,
+            TestStore::Postgres { store: $store, .. } => $call,
+            TestStore::Redis { store: $store, .. } => $call,
+        }
+    };
+}
 
-    async fn open(path: &Path, metrics: Arc<Metrics>, schema: Option<String>) -> TestStore {
-        if TestStore::on_postgres() {
-            let schema = schema.unwrap_or_else(postgres::fresh_schema);
-            TestStore::Postgres {
-                store: postgres::store(&schema).await,
-                schema,
-            }
-        } else {
-            TestStore::Sled(open_store_observed(path, metrics))
+/// Where a test's records live on a shared server, to reuse after a
+/// restart and to remove when the test is done.
+#[derive(Debug, Clone)]
+pub enum Space {
+    Postgres(String),
+    Redis(String),
+}
+
+impl Space {
+    /// Removes everything the test wrote.
+    pub async fn remove(&self) {
+        match self {
+            Space::Postgres(schema) => postgres::drop_schema(schema).await,
+            Space::Redis(prefix) => redis::drop_prefix(prefix).await,
         }
     }
+}
 
-    pub fn schema(&self) -> Option<&str> {
-        match self {
-            TestStore::Sled(_) => None,
-            TestStore::Postgres { schema, .. } => Some(schema),
+impl Drop for TestStore {
+    fn drop(&mut self) {
+        if let TestStore::Postgres { upkeep, .. } | TestStore::Redis { upkeep, .. } = self {
+            upkeep.abort();
+        }
+    }
+}
+
+impl TestStore {
+    /// Which store the suite runs on this time: `sled`, `postgres` or
+    /// `redis`.
+    pub fn kind() -> String {
+        std::env::var("DEDUPD_TEST_STORE").unwrap_or_else(|_| "sled".into())
+    }
+
+    async fn open(
+        path: &Path,
+        metrics: Arc<Metrics>,
+        clock: Arc<dyn Clock>,
+        space: Option<Space>,
+    ) -> TestStore {
+        let tier = redis::local_tier(path);
+        let observer: Arc<dyn StoreObserver> = Arc::clone(&metrics) as _;
+        match TestStore::kind().as_str() {
+            "postgres" => {
+                let schema = match space {
+                    Some(Space::Postgres(schema)) => schema,
+                    _ => postgres::fresh_schema(),
+                };
+                let shared = Arc::new(postgres::store(&schema).await);
+                let store = Tiered::open(shared, &tier, Some(observer)).expect("local tier");
+                let upkeep = store.keep_current();
+                redis::until_tier_on(&store).await;
+                TestStore::Postgres {
+                    store,
+                    schema,
+                    upkeep,
+                }
+            }
+            "redis" => {
+                let prefix = match space {
+                    Some(Space::Redis(prefix)) => prefix,
+                    _ => redis::fresh_prefix(),
+                };
+                let shared = Arc::new(redis::store(&prefix, clock).await);
+                let store = Tiered::open(shared, &tier, Some(observer)).expect("local tier");
+                let upkeep = store.keep_current();
+                redis::until_tier_on(&store).await;
+                TestStore::Redis {
+                    store,
+                    prefix,
+                    upkeep,
+                }
+            }
+            "sled" => TestStore::Sled(open_store_observed(path, metrics)),
+            other => panic!("DEDUPD_TEST_STORE={other}: expected sled, postgres or redis"),
         }
     }
 
     pub fn is_sled(&self) -> bool {
         matches!(self, TestStore::Sled(_))
+    }
+
+    /// Whether the store expires records itself (Redis) instead of reaping.
+    pub fn expires_natively(&self) -> bool {
+        matches!(self, TestStore::Redis { .. })
     }
 
     /// Records stored now, expired ones not yet reaped included.
@@ -267,26 +350,36 @@ impl TestStore {
                 usize::try_from(store.stats().await.records.unwrap_or(u64::MAX))
                     .unwrap_or(usize::MAX)
             }
+            TestStore::Redis { prefix, .. } => redis::keys(&format!("{prefix}:r"))
+                .await
+                .len(),
         }
     }
 }
 
-/// A store a test made a PostgreSQL schema for, to drop when it is done.
-pub trait TestSchema {
-    fn test_schema(&self) -> Option<String> {
+/// A store a test made a space on a shared server for, to remove when it
+/// is done.
+pub trait TestSpace {
+    fn test_space(&self) -> Option<Space> {
         None
     }
 }
 
-impl TestSchema for TestStore {
-    fn test_schema(&self) -> Option<String> {
-        self.schema().map(str::to_owned)
+impl TestSpace for TestStore {
+    fn test_space(&self) -> Option<Space> {
+        match self {
+            TestStore::Sled(_) => None,
+            TestStore::Postgres { schema, .. } => Some(Space::Postgres(schema.clone())),
+            TestStore::Redis { prefix, .. } => Some(Space::Redis(prefix.clone())),
+        }
     }
 }
 
-impl TestSchema for SledStore {}
-impl TestSchema for PostgresStore {}
-impl TestSchema for GatedStore {}
+impl TestSpace for SledStore {}
+impl TestSpace for PostgresStore {}
+impl TestSpace for RedisStore {}
+impl<S> TestSpace for Tiered<S> {}
+impl TestSpace for GatedStore {}
 
 impl Store for TestStore {
     async fn update<T, F>(&self, key: &Key, apply: F) -> Result<T, Error>
@@ -294,80 +387,50 @@ impl Store for TestStore {
         T: Send,
         F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
     {
-        match self {
-            TestStore::Sled(store) => store.update(key, apply).await,
-            TestStore::Postgres { store, .. } => store.update(key, apply).await,
-        }
+        on_each!(self, store => store.update(key, apply).await)
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
-        match self {
-            TestStore::Sled(store) => store.get(key).await,
-            TestStore::Postgres { store, .. } => store.get(key).await,
-        }
+        on_each!(self, store => store.get(key).await)
     }
 
     async fn update_mark<F>(&self, scope: &OrderingScope, apply: F) -> Result<(), Error>
     where
         F: FnMut(Option<SequenceMark>) -> Option<SequenceMark> + Send,
     {
-        match self {
-            TestStore::Sled(store) => store.update_mark(scope, apply).await,
-            TestStore::Postgres { store, .. } => store.update_mark(scope, apply).await,
-        }
+        on_each!(self, store => store.update_mark(scope, apply).await)
     }
 
     async fn get_mark(&self, scope: &OrderingScope) -> Result<Option<SequenceMark>, Error> {
-        match self {
-            TestStore::Sled(store) => store.get_mark(scope).await,
-            TestStore::Postgres { store, .. } => store.get_mark(scope).await,
-        }
+        on_each!(self, store => store.get_mark(scope).await)
     }
 
     async fn durable(&self) -> Result<(), Error> {
-        match self {
-            TestStore::Sled(store) => store.durable().await,
-            TestStore::Postgres { store, .. } => store.durable().await,
-        }
+        on_each!(self, store => store.durable().await)
     }
 
     async fn reap(&self, now: UnixMillis, budget: usize) -> Result<ReapReport, Error> {
-        match self {
-            TestStore::Sled(store) => store.reap(now, budget).await,
-            TestStore::Postgres { store, .. } => store.reap(now, budget).await,
-        }
+        on_each!(self, store => store.reap(now, budget).await)
     }
 
     fn health(&self) -> Result<(), Error> {
-        match self {
-            TestStore::Sled(store) => store.health(),
-            TestStore::Postgres { store, .. } => store.health(),
-        }
+        on_each!(self, store => store.health())
     }
 
     fn writable(&self) -> Result<(), Error> {
-        match self {
-            TestStore::Sled(store) => store.writable(),
-            TestStore::Postgres { store, .. } => store.writable(),
-        }
+        on_each!(self, store => store.writable())
     }
 
     async fn stats(&self) -> StoreStats {
-        match self {
-            TestStore::Sled(store) => store.stats().await,
-            TestStore::Postgres { store, .. } => store.stats().await,
-        }
+        on_each!(self, store => store.stats().await)
     }
 
     async fn close(&self) -> Result<(), Error> {
-        match self {
-            TestStore::Sled(store) => store.close().await,
-            TestStore::Postgres { store, .. } => store.close().await,
-        }
+        on_each!(self, store => store.close().await)
     }
 }
 
-impl<S: Store + TestSchema> TestServer<S> {
+impl<S: Store + TestSpace> TestServer<S> {
     pub async fn client(&self) -> Client {
         ClaimAndCommitClient::new(self.channel().await)
     }
@@ -380,12 +443,12 @@ impl<S: Store + TestSchema> TestServer<S> {
             .expect("connect")
     }
 
-    /// Graceful shutdown; returns what `run` returned. A PostgreSQL
-    /// schema made for the server is dropped.
+    /// Graceful shutdown; returns what `run` returned. A space made for
+    /// the server on a shared store is removed.
     pub async fn stop(mut self) -> Result<(), Error> {
         let stopped = self.stop_in_place().await;
-        if let Some(schema) = self.store.test_schema() {
-            postgres::drop_schema(&schema).await;
+        if let Some(space) = self.store.test_space() {
+            space.remove().await;
         }
         stopped
     }

@@ -1,0 +1,632 @@
+//! The shared store on Redis: every sidecar over one Redis primary, so a
+//! redelivery that lands on another pod still meets the record. The rules
+//! stay in [`crate::machine`]; Redis only stores bytes and runs two small
+//! compare-and-set scripts that know nothing of them.
+//!
+//! - One hash per record, `<prefix>:r:<namespace>/<correlation_id>`, with
+//!   `r` = the encoded record (its fencing token zeroed) and `f` = its
+//!   fencing token, expiring natively (`PEXPIRE`) when its retention ends: no
+//!   reaper.
+//! - One string per ordering mark, `<prefix>:m:<namespace>/<ordering_key>`.
+//! - Deletions are published on `<prefix>:deleted` by the script that
+//!   deletes, so no deletion commits without its notification.
+//!
+//! Each call touches one key, named in `KEYS`, so each is valid on any
+//! Redis Cluster slot; this store speaks to one primary (a Cluster client is
+//! not built in).
+//!
+//! A write sends what the record was believed to be (this sidecar's own
+//! last write, or "absent") and the new record; the script writes only if the
+//! belief holds, and otherwise answers with the record as it is, so a fresh
+//! Claim is one round trip, and so is a DUPLICATE. Fencing tokens are drawn
+//! inside the script as `max(Redis's clock in µs, the key's last token + 1)`:
+//! they increase per key across sidecars, and also after a record expired,
+//! as long as Redis's clock does not step back by more than a retention.
+
+use std::{
+    fmt,
+    sync::{
+        atomic::{AtomicUsize, Ordering::Relaxed},
+        Arc,
+    },
+    time::Duration,
+};
+
+use futures_util::StreamExt;
+use redis::{aio::ConnectionManager, AsyncCommands, Script};
+use tokio::sync::mpsc;
+
+use super::{
+    codec,
+    shared::{
+        deletion_message, parse_deletion, DeletionFeed, Reachability, RecentWrites, FEED_BUFFER,
+        HEARTBEAT,
+    },
+    IssueFencing, ReapReport, Store, StoreStats,
+};
+use crate::{
+    clock::{Clock, UnixMillis},
+    domain::{FencingToken, Key, OrderingScope, Record},
+    error::Error,
+    machine::{Change, SequenceMark},
+};
+
+/// A fencing token no claim is ever given: the machine's first run, before
+/// the script has drawn the real one.
+const PROVISIONAL: FencingToken = FencingToken(0);
+
+/// Writes a record if it still is what the caller read; otherwise answers
+/// with what it is. Draws the fencing token when asked to.
+const UPDATE_SCRIPT: &str = r"
+-- KEYS[1] the record; ARGV[1], ARGV[2]: its bytes and token as believed ('' = absent)
+-- ARGV[3] 'put': ARGV[4] new bytes, ARGV[5] token ('' = draw one), ARGV[6] ttl ms
+-- ARGV[3] 'delete': ARGV[4] channel, ARGV[5] message
+local now = redis.call('HMGET', KEYS[1], 'r', 'f')
+local bytes, token = now[1] or '', now[2] or ''
+if bytes ~= ARGV[1] or token ~= ARGV[2] then
+  return {0, bytes, token}
+end
+if ARGV[3] == 'delete' then
+  redis.call('DEL', KEYS[1])
+  redis.call('PUBLISH', ARGV[4], ARGV[5])
+  return {1, '', ''}
+end
+local new_token = ARGV[5]
+if new_token == '' then
+  local clock = redis.call('TIME')
+  local micros = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+  new_token = string.format('%.0f', math.max(micros, (tonumber(token) or 0) + 1))
+end
+redis.call('HSET', KEYS[1], 'r', ARGV[4], 'f', new_token)
+redis.call('PEXPIRE', KEYS[1], ARGV[6])
+return {1, new_token, ''}
+";
+
+/// The same for an ordering mark (a plain string).
+const MARK_SCRIPT: &str = r"
+-- KEYS[1] the mark; ARGV[1] as believed ('' = absent); ARGV[2] new; ARGV[3] ttl ms
+local now = redis.call('GET', KEYS[1]) or ''
+if now ~= ARGV[1] then
+  return {0, now}
+end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return {1, ''}
+";
+
+/// How to reach Redis.
+#[derive(Clone)]
+pub struct RedisConfig {
+    /// `redis://[user:password@]host:port[/db]` or `rediss://…` (never
+    /// logged).
+    pub url: String,
+    /// Every key dedupd writes starts with `<prefix>:`.
+    pub prefix: String,
+    /// Multiplexed connections; calls are spread over them in turn.
+    pub connections: usize,
+    /// Longest one call may take (and a connection attempt).
+    pub timeout: Duration,
+    /// PEM certificates to trust for a `rediss://` server instead of the
+    /// system's roots.
+    pub ca_pem: Option<Vec<u8>>,
+}
+
+impl fmt::Debug for RedisConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisConfig")
+            .field("url", &super::postgres::redact_url(&self.url))
+            .field("prefix", &self.prefix)
+            .field("connections", &self.connections)
+            .field("timeout", &self.timeout)
+            .field("private_ca", &self.ca_pem.is_some())
+            .finish()
+    }
+}
+
+/// Checks a URL the way the store will use it; the problem, if any, in one
+/// line without the password.
+pub fn check_url(url: &str) -> Result<(), String> {
+    let shown = super::postgres::redact_url(url);
+    if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+        return Err(format!("{shown} is not a redis:// or rediss:// URL"));
+    }
+    if url.contains("#insecure") {
+        return Err(format!(
+            "{shown}: #insecure turns off certificate checks; give the CA with --store-ca-file instead"
+        ));
+    }
+    redis::Client::open(url)
+        .map(|_| ())
+        .map_err(|error| format!("{shown}: {error}"))
+}
+
+/// The record as read from Redis: what a conditional write must find.
+#[derive(Clone)]
+struct Stored {
+    bytes: Vec<u8>,
+    token: String,
+    record: Record,
+}
+
+impl Stored {
+    fn decode(bytes: Vec<u8>, token: String) -> Result<Option<Stored>, Error> {
+        if token.is_empty() {
+            return Ok(None);
+        }
+        let mut record = codec::decode_record(&bytes)?;
+        record.fencing_token = FencingToken(
+            token
+                .parse()
+                .map_err(|_| Error::Corrupt(format!("fencing token {token:?}")))?,
+        );
+        Ok(Some(Stored {
+            bytes,
+            token,
+            record,
+        }))
+    }
+}
+
+/// What the update script answered.
+enum Swap {
+    /// Written; the fencing token the record now has (empty for a delete).
+    Done(String),
+    /// The record was not what the caller believed: here is what it is.
+    Conflict(Option<Stored>),
+}
+
+/// The Redis store; clones share the connections.
+#[derive(Clone)]
+pub struct RedisStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    client: redis::Client,
+    connections: Vec<ConnectionManager>,
+    next: AtomicUsize,
+    prefix: String,
+    timeout: Duration,
+    clock: Arc<dyn Clock>,
+    reachability: Reachability,
+    recent: RecentWrites<Stored>,
+    update: Script,
+    mark: Script,
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.inner.prefix)
+            .field("connections", &self.inner.connections.len())
+            .finish()
+    }
+}
+
+fn redis_error(error: redis::RedisError) -> Error {
+    // Anything the client would retry (a dropped or refused connection, a
+    // server loading its data, a replica not yet promoted) is an outage.
+    if matches!(error.retry_method(), redis::RetryMethod::NoRetry) {
+        Error::Store(format!("Redis: {error}"))
+    } else {
+        Error::Unavailable(format!("Redis: {error}"))
+    }
+}
+
+impl RedisStore {
+    /// A store over `config`, telling time by `clock` (expiry is set as a
+    /// time to live from its "now"). Nothing is contacted yet: connections
+    /// are made on first use and again whenever one drops.
+    pub fn new(config: &RedisConfig, clock: Arc<dyn Clock>) -> Result<RedisStore, Error> {
+        let shown = super::postgres::redact_url(&config.url);
+        // Redis's TLS builds its rustls configuration from the process's
+        // default provider; ring is the one this build carries.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let client = match &config.ca_pem {
+            Some(pem) => redis::Client::build_with_tls(
+                config.url.as_str(),
+                redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(pem.clone()),
+                },
+            ),
+            None => redis::Client::open(config.url.as_str()),
+        }
+        .map_err(|error| Error::Store(format!("{shown}: {error}")))?;
+        let manager_config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(config.timeout))
+            .set_response_timeout(Some(config.timeout))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_secs(1));
+        let connections = (0..config.connections.max(1))
+            .map(|_| {
+                ConnectionManager::new_lazy_with_config(client.clone(), manager_config.clone())
+                    .map_err(|error| Error::Store(format!("{shown}: {error}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(RedisStore {
+            inner: Arc::new(Inner {
+                client,
+                connections,
+                next: AtomicUsize::new(0),
+                prefix: config.prefix.clone(),
+                timeout: config.timeout,
+                clock,
+                reachability: Reachability::default(),
+                recent: RecentWrites::default(),
+                update: Script::new(UPDATE_SCRIPT),
+                mark: Script::new(MARK_SCRIPT),
+            }),
+        })
+    }
+
+    fn connection(&self) -> ConnectionManager {
+        let turn = self.inner.next.fetch_add(1, Relaxed);
+        self.inner.connections[turn % self.inner.connections.len()].clone()
+    }
+
+    /// Runs one call within the timeout, noting for health whether Redis
+    /// answered.
+    async fn call<T>(
+        &self,
+        call: impl std::future::Future<Output = redis::RedisResult<T>>,
+    ) -> Result<T, Error> {
+        let result = match tokio::time::timeout(self.inner.timeout, call).await {
+            Ok(answered) => answered.map_err(redis_error),
+            Err(_) => Err(Error::Unavailable(format!(
+                "Redis did not answer within {:?}",
+                self.inner.timeout
+            ))),
+        };
+        self.inner.reachability.observe(result)
+    }
+
+    fn record_key(&self, key: &Key) -> String {
+        format!("{}:r:{key}", self.inner.prefix)
+    }
+
+    fn mark_key(&self, scope: &OrderingScope) -> String {
+        format!(
+            "{}:m:{}/{}",
+            self.inner.prefix, scope.namespace, scope.ordering_key
+        )
+    }
+
+    fn channel(&self) -> String {
+        format!("{}:deleted", self.inner.prefix)
+    }
+
+    /// Time to live of something retained until `until`, by this store's
+    /// clock (at least 1 ms: Redis refuses zero).
+    fn ttl_ms(&self, until: UnixMillis) -> u64 {
+        until
+            .saturating_since(self.inner.clock.now())
+            .as_millis()
+            .clamp(1, u128::from(u64::MAX)) as u64
+    }
+
+    async fn read(&self, redis_key: &str) -> Result<Option<Stored>, Error> {
+        let mut connection = self.connection();
+        let (bytes, token): (Option<Vec<u8>>, Option<String>) = self
+            .call(async move { redis::cmd("HMGET").arg(redis_key).arg("r").arg("f").query_async(&mut connection).await })
+            .await?;
+        Stored::decode(bytes.unwrap_or_default(), token.unwrap_or_default())
+    }
+
+    /// Writes `change` if the record is still `believed`.
+    async fn swap(
+        &self,
+        key: &Key,
+        redis_key: &str,
+        believed: Option<&Stored>,
+        change: &Change,
+        draw_token: bool,
+    ) -> Result<Swap, Error> {
+        let mut invocation = self.inner.update.key(redis_key);
+        match believed {
+            Some(stored) => invocation.arg(&stored.bytes[..]).arg(&stored.token),
+            None => invocation.arg("").arg(""),
+        };
+        match change {
+            Change::Keep => unreachable!("nothing to write"),
+            Change::Put(record) => {
+                let token = if draw_token {
+                    String::new()
+                } else {
+                    record.fencing_token.0.to_string()
+                };
+                invocation
+                    .arg("put")
+                    .arg(encode_without_token(record))
+                    .arg(token)
+                    .arg(self.ttl_ms(record.retain_until));
+            }
+            Change::Delete => {
+                invocation
+                    .arg("delete")
+                    .arg(self.channel())
+                    .arg(deletion_message(key));
+            }
+        }
+        let mut connection = self.connection();
+        let (done, bytes, token): (i64, Vec<u8>, String) = self
+            .call(async move { invocation.invoke_async(&mut connection).await })
+            .await?;
+        if done == 1 {
+            // `bytes` is empty here; the second field is the token.
+            Ok(Swap::Done(String::from_utf8(bytes).map_err(|_| {
+                Error::Corrupt("fencing token is not text".into())
+            })?))
+        } else {
+            Ok(Swap::Conflict(Stored::decode(bytes, token)?))
+        }
+    }
+
+    /// Keeps health current while nobody calls: pings once a second while
+    /// the last call found Redis gone (or none was made yet), so health
+    /// recovers by itself.
+    pub fn keep_connected(&self) -> tokio::task::JoinHandle<()> {
+        let store = self.clone();
+        tokio::spawn(async move {
+            loop {
+                if store.inner.reachability.check().is_err() {
+                    match store.ping().await {
+                        Ok(()) => tracing::info!("Redis reachable"),
+                        Err(error) => tracing::debug!(%error, "Redis still unreachable"),
+                    }
+                }
+                tokio::time::sleep(HEARTBEAT).await;
+            }
+        })
+    }
+
+    /// Asks Redis whether it answers (for health; cheap).
+    pub async fn ping(&self) -> Result<(), Error> {
+        let mut connection = self.connection();
+        self.call(async move { redis::cmd("PING").query_async::<()>(&mut connection).await })
+            .await
+    }
+}
+
+/// The record's bytes at rest: its fencing token lives in the hash's `f`
+/// field, where the script can draw it.
+fn encode_without_token(record: &Record) -> Vec<u8> {
+    codec::encode_record(&Record {
+        fencing_token: PROVISIONAL,
+        ..record.clone()
+    })
+}
+
+fn encode_mark(mark: SequenceMark) -> String {
+    format!("{}:{}", mark.highest, mark.retain_until.0)
+}
+
+fn decode_mark(text: &str) -> Result<Option<SequenceMark>, Error> {
+    if text.is_empty() {
+        return Ok(None);
+    }
+    let corrupt = || Error::Corrupt(format!("ordering mark {text:?}"));
+    let (highest, until) = text.split_once(':').ok_or_else(corrupt)?;
+    Ok(Some(SequenceMark {
+        highest: highest.parse().map_err(|_| corrupt())?,
+        retain_until: UnixMillis(until.parse().map_err(|_| corrupt())?),
+    }))
+}
+
+impl Store for RedisStore {
+    async fn update<T, F>(&self, key: &Key, mut apply: F) -> Result<T, Error>
+    where
+        T: Send,
+        F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
+    {
+        let redis_key = self.record_key(key);
+        // Start from a belief (our own last write, or "absent" for a key we
+        // never wrote); the script checks it and answers with the truth if
+        // it was wrong. An answer that changes nothing needs the truth.
+        let mut believed = self.inner.recent.recall(key);
+        let mut verified = false;
+        loop {
+            let record = believed.as_ref().map(|stored| &stored.record);
+            let mut draw_token = false;
+            let (change, answer) = apply(record, &mut || {
+                draw_token = true;
+                Ok(PROVISIONAL)
+            })?;
+            let nothing_to_write = match &change {
+                Change::Keep => true,
+                Change::Delete => believed.is_none(),
+                Change::Put(_) => false,
+            };
+            if nothing_to_write {
+                if verified {
+                    return Ok(answer);
+                }
+                believed = self.read(&redis_key).await?;
+                verified = true;
+                continue;
+            }
+            match self
+                .swap(key, &redis_key, believed.as_ref(), &change, draw_token)
+                .await?
+            {
+                Swap::Done(token) => {
+                    let (change, answer) = if draw_token {
+                        let drawn = FencingToken(token.parse().map_err(|_| {
+                            Error::Corrupt(format!("fencing token {token:?}"))
+                        })?);
+                        apply(record, &mut || Ok(drawn))?
+                    } else {
+                        (change, answer)
+                    };
+                    match change {
+                        Change::Put(record) => self.inner.recent.remember(
+                            key,
+                            Stored {
+                                bytes: encode_without_token(&record),
+                                token: record.fencing_token.0.to_string(),
+                                record,
+                            },
+                        ),
+                        Change::Delete | Change::Keep => self.inner.recent.forget(key),
+                    }
+                    return Ok(answer);
+                }
+                Swap::Conflict(current) => {
+                    believed = current;
+                    verified = true;
+                }
+            }
+        }
+    }
+
+    async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
+        Ok(self
+            .read(&self.record_key(key))
+            .await?
+            .map(|stored| stored.record))
+    }
+
+    async fn update_mark<F>(&self, scope: &OrderingScope, mut apply: F) -> Result<(), Error>
+    where
+        F: FnMut(Option<SequenceMark>) -> Option<SequenceMark> + Send,
+    {
+        let redis_key = self.mark_key(scope);
+        let mut connection = self.connection();
+        let mut current: String = self
+            .call(async {
+                connection
+                    .get::<_, Option<String>>(&redis_key)
+                    .await
+                    .map(Option::unwrap_or_default)
+            })
+            .await?;
+        loop {
+            let Some(next) = apply(decode_mark(&current)?) else {
+                return Ok(());
+            };
+            let mut invocation = self.inner.mark.key(&redis_key);
+            invocation
+                .arg(&current)
+                .arg(encode_mark(next))
+                .arg(self.ttl_ms(next.retain_until));
+            let (done, now): (i64, String) = self
+                .call(async { invocation.invoke_async(&mut connection).await })
+                .await?;
+            if done == 1 {
+                return Ok(());
+            }
+            current = now;
+        }
+    }
+
+    async fn get_mark(&self, scope: &OrderingScope) -> Result<Option<SequenceMark>, Error> {
+        let redis_key = self.mark_key(scope);
+        let mut connection = self.connection();
+        let text: Option<String> = self
+            .call(async move { connection.get(&redis_key).await })
+            .await?;
+        decode_mark(&text.unwrap_or_default())
+    }
+
+    async fn durable(&self) -> Result<(), Error> {
+        // Redis answered each write after applying it, and after its
+        // append-only file's fsync when `appendfsync always` is set: that
+        // setting is the durability of this store.
+        Ok(())
+    }
+
+    async fn reap(&self, _now: UnixMillis, _budget: usize) -> Result<ReapReport, Error> {
+        // Redis expires records itself.
+        Ok(ReapReport::default())
+    }
+
+    fn health(&self) -> Result<(), Error> {
+        // Nothing here is permanent: an unreachable Redis passes by itself.
+        Ok(())
+    }
+
+    fn writable(&self) -> Result<(), Error> {
+        self.inner.reachability.check()
+    }
+
+    async fn stats(&self) -> StoreStats {
+        // Counting one prefix's keys would scan the whole keyspace.
+        StoreStats::default()
+    }
+
+    async fn close(&self) -> Result<(), Error> {
+        Ok(())
+    }
+}
+
+impl DeletionFeed for RedisStore {
+    async fn subscribe(&self) -> Result<mpsc::Receiver<Key>, Error> {
+        let pubsub = tokio::time::timeout(self.inner.timeout, self.inner.client.get_async_pubsub())
+            .await
+            .map_err(|_| Error::Unavailable("Redis did not answer the subscription".into()))?
+            .map_err(redis_error);
+        let mut pubsub = self.inner.reachability.observe(pubsub)?;
+        let subscribed = tokio::time::timeout(self.inner.timeout, pubsub.subscribe(self.channel()))
+            .await
+            .map_err(|_| Error::Unavailable("Redis did not answer the subscription".into()))?
+            .map_err(redis_error);
+        self.inner.reachability.observe(subscribed)?;
+        let (sink, mut messages) = pubsub.split();
+        let (deleted, receiver) = mpsc::channel(FEED_BUFFER);
+        tokio::spawn(async move {
+            let mut sink = sink;
+            let mut heartbeat = tokio::time::interval(HEARTBEAT);
+            loop {
+                tokio::select! {
+                    message = messages.next() => {
+                        let Some(message) = message else { break };
+                        let Ok(text) = message.get_payload::<String>() else { continue };
+                        match parse_deletion(&text) {
+                            Some(key) => {
+                                if deleted.send(key).await.is_err() {
+                                    break;
+                                }
+                            }
+                            None => tracing::warn!(message = %text, "unreadable deletion notice"),
+                        }
+                    }
+                    _ = heartbeat.tick() => {
+                        // A connection that died without a word is found here.
+                        match tokio::time::timeout(HEARTBEAT, sink.ping::<()>()).await {
+                            Ok(Ok(())) => {}
+                            _ => break,
+                        }
+                    }
+                    () = deleted.closed() => break,
+                }
+            }
+        });
+        Ok(receiver)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_are_checked_without_showing_passwords() {
+        assert!(check_url("redis://127.0.0.1:6379").is_ok());
+        assert!(check_url("rediss://cache.internal:6380/2").is_ok());
+        let refused = check_url("postgres://app:s3cret@db/x").unwrap_err();
+        assert!(!refused.contains("s3cret"), "{refused}");
+        let insecure = check_url("rediss://:s3cret@cache:6380/#insecure").unwrap_err();
+        assert!(insecure.contains("--store-ca-file"), "{insecure}");
+        assert!(!insecure.contains("s3cret"), "{insecure}");
+    }
+
+    #[test]
+    fn marks_round_trip() {
+        let mark = SequenceMark {
+            highest: 42,
+            retain_until: UnixMillis(1_700_000_000_000),
+        };
+        assert_eq!(decode_mark(&encode_mark(mark)).unwrap(), Some(mark));
+        assert_eq!(decode_mark("").unwrap(), None);
+        assert!(decode_mark("42").is_err());
+    }
+}

@@ -1,0 +1,436 @@
+//! The local tier: in front of a shared store, each sidecar keeps the
+//! committed records it has seen in a sled of its own and answers calls that
+//! such a record settles (a DUPLICATE, an idempotent Commit, a Lookup)
+//! without a network round trip. Everything that changes a record goes to
+//! the shared store.
+//!
+//! Why a committed record may be kept: the state machine never changes one
+//! (protocol §2) — it only expires (the machine applies `retain_until` to the
+//! kept copy as to any other) or is deleted by Forget. Deletions reach every
+//! sidecar through the shared store's [`DeletionFeed`]; while the feed is
+//! not connected the tier is cleared and off, so a deletion missed while
+//! disconnected can never be answered from it. What remains is the feed's
+//! delivery time: a Forget's answer may reach its caller a few milliseconds
+//! before another sidecar has dropped its copy (at most 2 × [`HEARTBEAT`]
+//! when the feed's connection dies silently).
+//!
+//! Bounded by bytes and age with two generations (sled trees): new entries
+//! go to the current one; when it holds half the byte budget or is half the
+//! age budget old, the previous one is dropped whole and the current one
+//! takes its place. No index, no per-entry expiry; nothing of it survives a
+//! restart (deletions made while the sidecar was down were never seen).
+
+use std::{
+    fmt,
+    path::PathBuf,
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering::SeqCst},
+        Arc, RwLock,
+    },
+    time::Duration,
+};
+
+use tokio::{sync::Notify, time::Instant};
+
+use super::{
+    codec,
+    shared::{DeletionFeed, HEARTBEAT},
+    IssueFencing, ReapReport, Store, StoreObserver, StoreStats,
+};
+use crate::{
+    clock::UnixMillis,
+    domain::{FencingToken, Key, OrderingScope, Record, RecordState},
+    error::Error,
+    machine::{Change, SequenceMark},
+};
+
+/// Where and how big the local tier is.
+#[derive(Debug, Clone)]
+pub struct LocalTierConfig {
+    /// Its own directory (emptied at start).
+    pub path: PathBuf,
+    /// Bytes of records (key and encoded record) kept at most.
+    pub max_bytes: u64,
+    /// Longest a record is kept after it was learnt.
+    pub max_age: Duration,
+}
+
+/// A shared store with this sidecar's local tier in front.
+pub struct Tiered<S> {
+    shared: Arc<S>,
+    tier: Arc<LocalTier>,
+}
+
+impl<S> fmt::Debug for Tiered<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tiered")
+            .field("enabled", &self.tier.enabled.load(SeqCst))
+            .finish()
+    }
+}
+
+impl<S> Clone for Tiered<S> {
+    fn clone(&self) -> Self {
+        Tiered {
+            shared: Arc::clone(&self.shared),
+            tier: Arc::clone(&self.tier),
+        }
+    }
+}
+
+/// What a call through the shared store taught about the key.
+enum Lesson {
+    Keep(Record),
+    Drop,
+}
+
+impl<S: Store + DeletionFeed> Tiered<S> {
+    /// `shared` with a local tier at `config.path`. The tier stays off until
+    /// [`Tiered::keep_current`] has subscribed to the deletion feed.
+    pub fn open(
+        shared: Arc<S>,
+        config: &LocalTierConfig,
+        observer: Option<Arc<dyn StoreObserver>>,
+    ) -> Result<Self, Error> {
+        Ok(Tiered {
+            shared,
+            tier: Arc::new(LocalTier::open(config, observer)?),
+        })
+    }
+
+    /// The shared store behind the tier.
+    pub fn shared(&self) -> &Arc<S> {
+        &self.shared
+    }
+
+    /// Whether the tier answers now (its deletion feed is connected).
+    pub fn tier_enabled(&self) -> bool {
+        self.tier.enabled.load(SeqCst)
+    }
+
+    /// Keeps the tier in step with the shared store for as long as it lives:
+    /// subscribes to the deletion feed (retrying with backoff), turns the
+    /// tier on, drops every deleted key from it, and clears it and turns it
+    /// off whenever the feed is lost. Also rotates the tier's generations.
+    pub fn keep_current(&self) -> tokio::task::JoinHandle<()> {
+        let (shared, tier) = (Arc::clone(&self.shared), Arc::clone(&self.tier));
+        tokio::spawn(async move {
+            let mut backoff = Duration::from_millis(100);
+            loop {
+                tier.switch_off().await;
+                let mut deleted = match shared.subscribe().await {
+                    Ok(deleted) => deleted,
+                    Err(error) => {
+                        tracing::warn!(%error, ?backoff, "local tier off: no deletion feed; retrying");
+                        tier.rotate_while(tokio::time::sleep(backoff)).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(5));
+                        continue;
+                    }
+                };
+                backoff = Duration::from_millis(100);
+                tier.enabled.store(true, SeqCst);
+                tracing::info!("local tier on: deletion feed connected");
+                tier.rotate_while(async {
+                    while let Some(key) = deleted.recv().await {
+                        tier.invalidate(&key);
+                    }
+                })
+                .await;
+                tracing::warn!("local tier cleared and off: deletion feed lost; reconnecting");
+            }
+        })
+    }
+}
+
+impl<S: Store> Store for Tiered<S> {
+    async fn update<T, F>(&self, key: &Key, mut apply: F) -> Result<T, Error>
+    where
+        T: Send,
+        F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
+    {
+        if let Some(kept) = self.tier.get(key) {
+            let mut issued = false;
+            let (change, answer) = apply(Some(&kept), &mut || {
+                issued = true;
+                Ok(FencingToken(0))
+            })?;
+            if matches!(change, Change::Keep) && !issued {
+                self.tier.observe(true);
+                return Ok(answer);
+            }
+        }
+        self.tier.observe_miss();
+        let epoch = self.tier.epoch.load(SeqCst);
+        let mut lesson = None;
+        let answer = self
+            .shared
+            .update(key, |current, issue| {
+                let (change, answer) = apply(current, issue)?;
+                lesson = match (&change, current) {
+                    (Change::Put(next), _) if next.state == RecordState::Committed => {
+                        Some(Lesson::Keep(next.clone()))
+                    }
+                    (Change::Keep, Some(record)) if record.state == RecordState::Committed => {
+                        Some(Lesson::Keep(record.clone()))
+                    }
+                    (Change::Delete, _) => Some(Lesson::Drop),
+                    _ => None,
+                };
+                Ok((change, answer))
+            })
+            .await?;
+        match lesson {
+            Some(Lesson::Keep(record)) => self.tier.learn(key, &record, epoch),
+            Some(Lesson::Drop) => self.tier.invalidate(key),
+            None => {}
+        }
+        Ok(answer)
+    }
+
+    async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
+        if let Some(kept) = self.tier.get(key) {
+            self.tier.observe(true);
+            return Ok(Some(kept));
+        }
+        self.tier.observe_miss();
+        let epoch = self.tier.epoch.load(SeqCst);
+        let record = self.shared.get(key).await?;
+        if let Some(record) = &record {
+            if record.state == RecordState::Committed {
+                self.tier.learn(key, record, epoch);
+            }
+        }
+        Ok(record)
+    }
+
+    async fn update_mark<F>(&self, scope: &OrderingScope, apply: F) -> Result<(), Error>
+    where
+        F: FnMut(Option<SequenceMark>) -> Option<SequenceMark> + Send,
+    {
+        self.shared.update_mark(scope, apply).await
+    }
+
+    async fn get_mark(&self, scope: &OrderingScope) -> Result<Option<SequenceMark>, Error> {
+        self.shared.get_mark(scope).await
+    }
+
+    async fn durable(&self) -> Result<(), Error> {
+        self.shared.durable().await
+    }
+
+    async fn reap(&self, now: UnixMillis, budget: usize) -> Result<ReapReport, Error> {
+        self.shared.reap(now, budget).await
+    }
+
+    fn health(&self) -> Result<(), Error> {
+        self.shared.health()
+    }
+
+    fn writable(&self) -> Result<(), Error> {
+        self.shared.writable()
+    }
+
+    async fn stats(&self) -> StoreStats {
+        self.shared.stats().await
+    }
+
+    async fn close(&self) -> Result<(), Error> {
+        self.shared.close().await
+    }
+}
+
+/// The sled half: two generations of committed records.
+struct LocalTier {
+    db: sled::Db,
+    generations: RwLock<Generations>,
+    /// Bytes learnt into the current generation.
+    current_bytes: AtomicU64,
+    /// On only while the deletion feed is connected.
+    enabled: AtomicBool,
+    /// Moves on every deletion and every clearing: a record read from the
+    /// shared store before the epoch moved may be one a deletion overtook,
+    /// so it is not kept.
+    epoch: AtomicU64,
+    /// Wakes the rotation early when the current generation is full.
+    full: Notify,
+    max_bytes: u64,
+    max_age: Duration,
+    observer: Option<Arc<dyn StoreObserver>>,
+}
+
+struct Generations {
+    current: sled::Tree,
+    previous: sled::Tree,
+    /// Names trees; the next generation's is one more.
+    number: u64,
+    started: Instant,
+}
+
+fn tree_name(number: u64) -> String {
+    format!("generation-{number}")
+}
+
+impl LocalTier {
+    fn open(
+        config: &LocalTierConfig,
+        observer: Option<Arc<dyn StoreObserver>>,
+    ) -> Result<Self, Error> {
+        // What an earlier run kept may have been deleted meanwhile.
+        match std::fs::remove_dir_all(&config.path) {
+            Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+                return Err(Error::Io(error))
+            }
+            _ => {}
+        }
+        let db = sled::Config::new()
+            .path(&config.path)
+            .cache_capacity(config.max_bytes.clamp(1 << 20, 256 << 20))
+            .mode(sled::Mode::HighThroughput)
+            // A cache: nothing of it needs to reach the disk in time.
+            .flush_every_ms(None)
+            .open()
+            .map_err(|error| Error::Store(format!("local tier: {error}")))?;
+        let generations = Generations {
+            previous: open_tree(&db, 0)?,
+            current: open_tree(&db, 1)?,
+            number: 1,
+            started: Instant::now(),
+        };
+        Ok(LocalTier {
+            db,
+            generations: RwLock::new(generations),
+            current_bytes: AtomicU64::new(0),
+            enabled: AtomicBool::new(false),
+            epoch: AtomicU64::new(0),
+            full: Notify::new(),
+            max_bytes: config.max_bytes,
+            max_age: config.max_age,
+            observer,
+        })
+    }
+
+    fn trees(&self) -> (sled::Tree, sled::Tree) {
+        let generations = self.generations.read().expect("local tier lock");
+        (generations.current.clone(), generations.previous.clone())
+    }
+
+    /// The kept record of `key`, while the tier is on.
+    fn get(&self, key: &Key) -> Option<Record> {
+        if !self.enabled.load(SeqCst) {
+            return None;
+        }
+        let (current, previous) = self.trees();
+        let key = key.to_bytes();
+        let bytes = match current.get(&key) {
+            Ok(Some(bytes)) => bytes,
+            _ => previous.get(&key).ok()??,
+        };
+        codec::decode_record(&bytes).ok()
+    }
+
+    fn observe(&self, hit: bool) {
+        if let Some(observer) = &self.observer {
+            observer.local_tier(hit);
+        }
+    }
+
+    fn observe_miss(&self) {
+        if self.enabled.load(SeqCst) {
+            self.observe(false);
+        }
+    }
+
+    /// Keeps `record`, read from the shared store when the epoch was
+    /// `epoch`, unless a deletion or a clearing came since.
+    fn learn(&self, key: &Key, record: &Record, epoch: u64) {
+        if !self.enabled.load(SeqCst) {
+            return;
+        }
+        let key = key.to_bytes();
+        let bytes = codec::encode_record(record);
+        let size = (key.len() + bytes.len()) as u64;
+        if self.current_bytes.load(SeqCst) + size > self.max_bytes / 2 {
+            self.full.notify_one();
+            return;
+        }
+        let (current, previous) = self.trees();
+        if current.insert(&key, bytes).is_err() {
+            return; // A generation being dropped: nothing to keep.
+        }
+        self.current_bytes.fetch_add(size, SeqCst);
+        // The epoch moves before a deletion removes: either that removal
+        // comes after our insert, or we see the move here and undo it.
+        if self.epoch.load(SeqCst) != epoch {
+            let _ = current.remove(&key);
+            let _ = previous.remove(&key);
+        }
+    }
+
+    fn invalidate(&self, key: &Key) {
+        self.epoch.fetch_add(1, SeqCst);
+        let (current, previous) = self.trees();
+        let key = key.to_bytes();
+        let _ = current.remove(&key);
+        let _ = previous.remove(&key);
+    }
+
+    /// Turns the tier off and forgets everything in it.
+    async fn switch_off(self: &Arc<Self>) {
+        self.enabled.store(false, SeqCst);
+        self.epoch.fetch_add(1, SeqCst);
+        let tier = Arc::clone(self);
+        let _ = tokio::task::spawn_blocking(move || {
+            tier.rotate();
+            tier.rotate();
+        })
+        .await;
+    }
+
+    /// Runs `until` while rotating the generations when they are full or
+    /// old; returns when `until` does.
+    async fn rotate_while(self: &Arc<Self>, until: impl std::future::Future<Output = ()>) {
+        tokio::pin!(until);
+        let period = (self.max_age / 4).clamp(Duration::from_millis(10), HEARTBEAT);
+        let mut tick = tokio::time::interval(period);
+        loop {
+            let due = tokio::select! {
+                () = &mut until => return,
+                _ = tick.tick() => {
+                    let generations = self.generations.read().expect("local tier lock");
+                    generations.started.elapsed() >= self.max_age / 2
+                }
+                () = self.full.notified() => true,
+            };
+            if due {
+                let tier = Arc::clone(self);
+                let _ = tokio::task::spawn_blocking(move || tier.rotate()).await;
+            }
+        }
+    }
+
+    /// A fresh current generation; the previous one is dropped whole.
+    fn rotate(&self) {
+        let dropped = {
+            let mut generations = self.generations.write().expect("local tier lock");
+            let next = generations.number + 1;
+            let Ok(fresh) = open_tree(&self.db, next) else {
+                return;
+            };
+            let current = std::mem::replace(&mut generations.current, fresh);
+            let previous = std::mem::replace(&mut generations.previous, current);
+            generations.number = next;
+            generations.started = Instant::now();
+            self.current_bytes.store(0, SeqCst);
+            previous
+        };
+        // Dropping walks the tree; it is at most half the byte budget.
+        if let Err(error) = self.db.drop_tree(dropped.name()) {
+            tracing::debug!(%error, "local tier: dropping a generation failed");
+        }
+    }
+}
+
+fn open_tree(db: &sled::Db, number: u64) -> Result<sled::Tree, Error> {
+    db.open_tree(tree_name(number))
+        .map_err(|error| Error::Store(format!("local tier: {error}")))
+}
