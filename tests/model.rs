@@ -1,6 +1,8 @@
 //! Property tests: random sequences of calls (with time moving) run through
-//! the engine on the in-memory store and on the sled store, and both are
-//! checked against a small independent model of protocol §2 (docs/protocol.md) kept in a BTreeMap.
+//! the engine on every store — memory, sled, PostgreSQL, Redis, two
+//! sidecars over one PostgreSQL or one Redis taking turns, and Redis behind a
+//! local tier — and each is checked against a small independent model of
+//! protocol §2 (docs/protocol.md) kept in a BTreeMap.
 
 use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
@@ -15,6 +17,7 @@ use dedupd::{
     store::{
         memory::MemoryStore,
         sled::{SledConfig, SledStore},
+        tiered::Tiered,
         IssueFencing, ReapReport, Store, StoreStats,
     },
     Error,
@@ -336,56 +339,147 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
     #[test]
-    fn memory_sled_and_postgres_stores_follow_the_model(ops in proptest::collection::vec(op(), 1..40)) {
+    fn every_store_follows_the_model(ops in proptest::collection::vec(op(), 1..40)) {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         runtime.block_on(async {
             let dir = tempfile::tempdir().unwrap();
             let clock = ManualClock::new(UnixMillis(1_000_000));
+            let shared_clock: Arc<dyn dedupd::clock::Clock> = Arc::new(clock.clone());
             let mut model = Model { now: 1_000_000, ..Model::default() };
-            let mut memory = Subject::new(MemoryStore::new(), &clock);
             let sled_store = SledStore::open(&SledConfig {
                 cache_capacity_bytes: 4 << 20,
                 ..SledConfig::new(dir.path())
             })
             .unwrap();
-            let mut sled = Subject::new(sled_store, &clock);
-            let schema = common::postgres::fresh_schema();
-            let mut postgres = Subject::new(common::postgres::store(&schema).await, &clock);
-            // Two sidecars over one schema, taking turns: each one's memory
-            // of its own writes must never make an answer wrong.
-            let shared_schema = common::postgres::fresh_schema();
-            let mut two_sidecars = Subject::new(
-                TakingTurns::new(
-                    common::postgres::store(&shared_schema).await,
-                    common::postgres::store(&shared_schema).await,
-                ),
-                &clock,
-            );
+            let schemas = [common::postgres::fresh_schema(), common::postgres::fresh_schema()];
+            let prefixes = [
+                common::redis::fresh_prefix(),
+                common::redis::fresh_prefix(),
+                common::redis::fresh_prefix(),
+            ];
+            let tiered = Tiered::open(
+                Arc::new(common::redis::store(&prefixes[2], Arc::clone(&shared_clock)).await),
+                &common::redis::local_tier(dir.path()),
+                Arc::clone(&shared_clock),
+                None,
+            )
+            .unwrap();
+            let upkeep = tiered.keep_current();
+            common::redis::until_tier_on(&tiered).await;
+            let mut subjects: Vec<(&str, Subject<AnyStore>)> = vec![
+                ("memory", Subject::new(AnyStore::Memory(MemoryStore::new()), &clock)),
+                ("sled", Subject::new(AnyStore::Sled(sled_store), &clock)),
+                ("postgres", Subject::new(AnyStore::Postgres(common::postgres::store(&schemas[0]).await), &clock)),
+                // Two sidecars over one schema, taking turns: each one's
+                // memory of its own writes must never make an answer wrong.
+                ("two sidecars on postgres", Subject::new(AnyStore::PostgresTurns(TakingTurns::new(
+                    common::postgres::store(&schemas[1]).await,
+                    common::postgres::store(&schemas[1]).await,
+                )), &clock)),
+                ("redis", Subject::new(AnyStore::Redis(
+                    common::redis::store(&prefixes[0], Arc::clone(&shared_clock)).await,
+                ), &clock)),
+                ("two sidecars on redis", Subject::new(AnyStore::RedisTurns(TakingTurns::new(
+                    common::redis::store(&prefixes[1], Arc::clone(&shared_clock)).await,
+                    common::redis::store(&prefixes[1], Arc::clone(&shared_clock)).await,
+                )), &clock)),
+                ("redis behind a local tier", Subject::new(AnyStore::Tiered(tiered), &clock)),
+            ];
             for (step, op) in ops.iter().enumerate() {
                 if let Op::Advance(seconds) = op {
                     clock.advance(Duration::from_secs(*seconds));
                 }
                 let expected = model.apply(op);
-                let from_memory = memory.apply(op).await.unwrap();
-                let from_sled = sled.apply(op).await.unwrap();
-                let from_postgres = postgres.apply(op).await.unwrap();
-                let from_two = two_sidecars.apply(op).await.unwrap();
-                prop_assert_eq!(&from_two, &expected, "two sidecars on postgres, step {} {:?}", step, op);
-                prop_assert_eq!(&from_memory, &expected, "memory store, step {} {:?}", step, op);
-                prop_assert_eq!(&from_sled, &expected, "sled store, step {} {:?}", step, op);
-                prop_assert_eq!(&from_postgres, &expected, "postgres store, step {} {:?}", step, op);
+                for (name, subject) in &mut subjects {
+                    let answer = subject.apply(op).await.unwrap();
+                    prop_assert_eq!(&answer, &expected, "{}, step {} {:?}", name, step, op);
+                }
                 for index in 0..KEYS {
                     let expected = model.view(index);
-                    prop_assert_eq!(&memory.view(index).await.unwrap(), &expected, "memory view of {}", index);
-                    prop_assert_eq!(&sled.view(index).await.unwrap(), &expected, "sled view of {}", index);
-                    prop_assert_eq!(&postgres.view(index).await.unwrap(), &expected, "postgres view of {}", index);
-                    prop_assert_eq!(&two_sidecars.view(index).await.unwrap(), &expected, "two sidecars' view of {}", index);
+                    for (name, subject) in &subjects {
+                        prop_assert_eq!(&subject.view(index).await.unwrap(), &expected, "{} view of {}", name, index);
+                    }
                 }
             }
-            common::postgres::drop_schema(&schema).await;
-            common::postgres::drop_schema(&shared_schema).await;
+            upkeep.abort();
+            for schema in &schemas {
+                common::postgres::drop_schema(schema).await;
+            }
+            for prefix in &prefixes {
+                common::redis::drop_prefix(prefix).await;
+            }
             Ok(())
         })?;
+    }
+}
+
+/// Every store under test, as one type, so one loop runs them all.
+enum AnyStore {
+    Memory(MemoryStore),
+    Sled(SledStore),
+    Postgres(dedupd::store::postgres::PostgresStore),
+    PostgresTurns(TakingTurns<dedupd::store::postgres::PostgresStore>),
+    Redis(dedupd::store::redis::RedisStore),
+    RedisTurns(TakingTurns<dedupd::store::redis::RedisStore>),
+    Tiered(Tiered<dedupd::store::redis::RedisStore>),
+}
+
+macro_rules! on_any {
+    ($self:expr, $store:ident => $call:expr) => {
+        match $self {
+            AnyStore::Memory($store) => $call,
+            AnyStore::Sled($store) => $call,
+            AnyStore::Postgres($store) => $call,
+            AnyStore::PostgresTurns($store) => $call,
+            AnyStore::Redis($store) => $call,
+            AnyStore::RedisTurns($store) => $call,
+            AnyStore::Tiered($store) => $call,
+        }
+    };
+}
+
+impl Store for AnyStore {
+    async fn update<T, F>(&self, key: &Key, apply: F) -> Result<T, Error>
+    where
+        T: Send,
+        F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
+    {
+        on_any!(self, store => store.update(key, apply).await)
+    }
+
+    async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
+        on_any!(self, store => store.get(key).await)
+    }
+
+    async fn update_mark<F>(&self, scope: &OrderingScope, apply: F) -> Result<(), Error>
+    where
+        F: FnMut(Option<SequenceMark>) -> Option<SequenceMark> + Send,
+    {
+        on_any!(self, store => store.update_mark(scope, apply).await)
+    }
+
+    async fn get_mark(&self, scope: &OrderingScope) -> Result<Option<SequenceMark>, Error> {
+        on_any!(self, store => store.get_mark(scope).await)
+    }
+
+    async fn durable(&self) -> Result<(), Error> {
+        on_any!(self, store => store.durable().await)
+    }
+
+    async fn reap(&self, now: UnixMillis, budget: usize) -> Result<ReapReport, Error> {
+        on_any!(self, store => store.reap(now, budget).await)
+    }
+
+    fn health(&self) -> Result<(), Error> {
+        on_any!(self, store => store.health())
+    }
+
+    async fn stats(&self) -> StoreStats {
+        on_any!(self, store => store.stats().await)
+    }
+
+    async fn close(&self) -> Result<(), Error> {
+        on_any!(self, store => store.close().await)
     }
 }
 

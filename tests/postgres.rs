@@ -1,119 +1,22 @@
-//! The PostgreSQL store: sidecars with their own processes' worth of state
-//! (own server, own pool) over one schema behave as one — a claim on one is
-//! IN_PROGRESS on the other, a commit on one is DUPLICATE with its response
-//! on the other, fencing tokens increase across both, and 64 tasks spread
-//! over two sidecars racing for one key get exactly one CLAIMED. Against
-//! the machine's PostgreSQL, each test in a schema of its own.
+//! The PostgreSQL store: the shared-store scenarios (tests/common/shared.rs),
+//! migrations from many sidecars at once, an outage, reaping together, and
+//! TLS. Against the machine's PostgreSQL, each test in a schema of its own.
 
 mod common;
 
 use std::sync::Arc;
 
-use common::{postgres, *};
+use common::{postgres, shared, *};
 use dedupd::{proto::v1 as pb, store::postgres::PostgresStore};
-
-async fn sidecar(schema: &str) -> TestServer<PostgresStore> {
-    TestServer::builder()
-        .start_with_store(Arc::new(postgres::store(schema).await))
-        .await
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_sidecars_over_one_postgres_behave_as_one() {
-    let schema = postgres::fresh_schema();
-    let (a, b) = (sidecar(&schema).await, sidecar(&schema).await);
-    let (mut on_a, mut on_b) = (a.client().await, b.client().await);
-
-    let claimed = claim(&mut on_a, claim_request("pay-1")).await;
-    assert_eq!(outcome(&claimed), pb::ClaimOutcome::Claimed);
-    let elsewhere = claim(&mut on_b, claim_request("pay-1")).await;
-    assert_eq!(outcome(&elsewhere), pb::ClaimOutcome::InProgress);
-
-    on_a.commit(pb::CommitRequest {
-        response: b"transfer 77".to_vec(),
-        ..commit_request("pay-1", &claimed.lease_token)
-    })
-    .await
-    .unwrap();
-    let duplicate = claim(&mut on_b, claim_request("pay-1")).await;
-    assert_eq!(outcome(&duplicate), pb::ClaimOutcome::Duplicate);
-    let record = duplicate.record.expect("the committed record");
-    assert_eq!(record.response, b"transfer 77");
-    assert_eq!(record.fencing_token, claimed.fencing_token);
-    // The article's columns, visible through Lookup from either sidecar.
-    assert_eq!(record.event_type, "PaymentReceived");
-    assert_eq!(record.consumer_version, "1.4.2");
-    assert!(record.committed_at.is_some());
-
-    // Fencing tokens increase across both sidecars.
-    let mut last = claimed.fencing_token;
-    for i in 0..4 {
-        let client = if i % 2 == 0 { &mut on_a } else { &mut on_b };
-        let next = claim(client, claim_request(&format!("fence-{i}"))).await;
-        assert!(
-            next.fencing_token > last,
-            "{} after {last}",
-            next.fencing_token
-        );
-        last = next.fencing_token;
-    }
-
-    // A lease that expired on one sidecar is recovered on the other.
-    let held = claim(
-        &mut on_a,
-        pb::ClaimRequest {
-            lease_ttl: seconds(5),
-            ..claim_request("pay-2")
-        },
-    )
-    .await;
-    a.clock.advance(std::time::Duration::from_secs(6));
-    b.clock.advance(std::time::Duration::from_secs(6));
-    let recovered = claim(&mut on_b, claim_request("pay-2")).await;
-    assert_eq!(outcome(&recovered), pb::ClaimOutcome::Claimed);
-    assert!(recovered.recovered);
-    assert!(recovered.fencing_token > held.fencing_token);
-    assert_eq!(recovered.attempt, 2);
-    // The first holder lost its lease to the other sidecar's claim.
-    let lost = on_a
-        .commit(commit_request("pay-2", &held.lease_token))
-        .await
-        .unwrap_err();
-    assert_eq!(lost.code(), tonic::Code::FailedPrecondition);
-
-    a.stop().await.unwrap();
-    b.stop().await.unwrap();
-    postgres::drop_schema(&schema).await;
+    shared::two_sidecars_behave_as_one(Space::postgres()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sixty_four_tasks_on_two_sidecars_one_winner() {
-    let schema = postgres::fresh_schema();
-    let (a, b) = (sidecar(&schema).await, sidecar(&schema).await);
-    let (on_a, on_b) = (a.client().await, b.client().await);
-    let mut tasks = Vec::new();
-    for i in 0..64 {
-        let mut client = if i % 2 == 0 {
-            on_a.clone()
-        } else {
-            on_b.clone()
-        };
-        tasks.push(tokio::spawn(async move {
-            outcome(&claim(&mut client, claim_request("contended")).await)
-        }));
-    }
-    let mut claimed = 0;
-    for task in tasks {
-        match task.await.unwrap() {
-            pb::ClaimOutcome::Claimed => claimed += 1,
-            pb::ClaimOutcome::InProgress => {}
-            other => panic!("unexpected {other:?}"),
-        }
-    }
-    assert_eq!(claimed, 1, "exactly one claim wins");
-    a.stop().await.unwrap();
-    b.stop().await.unwrap();
-    postgres::drop_schema(&schema).await;
+async fn sixty_four_tasks_on_three_sidecars_one_winner_per_round() {
+    shared::sidecars_race_for_one_key(Space::postgres()).await;
 }
 
 /// N sidecars starting at once migrate the schema once, without errors.

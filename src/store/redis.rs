@@ -33,7 +33,7 @@ use std::{
 };
 
 use futures_util::StreamExt;
-use redis::{aio::ConnectionManager, AsyncCommands, Script};
+use redis::{aio::ConnectionManager, Script};
 use tokio::sync::mpsc;
 
 use super::{
@@ -264,13 +264,36 @@ impl RedisStore {
         self.inner.connections[turn % self.inner.connections.len()].clone()
     }
 
-    /// Runs one call within the timeout, noting for health whether Redis
-    /// answered.
-    async fn call<T>(
+    /// Runs one call on a connection within the timeout, noting for health
+    /// whether Redis answered. A call that found its connection dropped is
+    /// made once more on the same connection, which then waits for the
+    /// reconnection: after Redis restarts, every connection's first call
+    /// meets the old socket. A repeated write is safe: the script compares
+    /// before it writes, and [`RedisStore::update`] recognises its own write.
+    async fn call<T, Fut>(&self, make: impl Fn(ConnectionManager) -> Fut) -> Result<T, Error>
+    where
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        self.call_on(self.connection(), make).await
+    }
+
+    async fn call_on<T, Fut>(
         &self,
-        call: impl std::future::Future<Output = redis::RedisResult<T>>,
-    ) -> Result<T, Error> {
-        let result = match tokio::time::timeout(self.inner.timeout, call).await {
+        connection: ConnectionManager,
+        make: impl Fn(ConnectionManager) -> Fut,
+    ) -> Result<T, Error>
+    where
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        let attempts = async {
+            match make(connection.clone()).await {
+                Err(error) if error.is_unrecoverable_error() || error.is_io_error() => {
+                    make(connection).await
+                }
+                answered => answered,
+            }
+        };
+        let result = match tokio::time::timeout(self.inner.timeout, attempts).await {
             Ok(answered) => answered.map_err(redis_error),
             Err(_) => Err(Error::Unavailable(format!(
                 "Redis did not answer within {:?}",
@@ -305,9 +328,12 @@ impl RedisStore {
     }
 
     async fn read(&self, redis_key: &str) -> Result<Option<Stored>, Error> {
-        let mut connection = self.connection();
+        let read = redis::cmd("HMGET").arg(redis_key).arg("r").arg("f").clone();
         let (bytes, token): (Option<Vec<u8>>, Option<String>) = self
-            .call(async move { redis::cmd("HMGET").arg(redis_key).arg("r").arg("f").query_async(&mut connection).await })
+            .call(|mut connection| {
+                let read = &read;
+                async move { read.query_async(&mut connection).await }
+            })
             .await?;
         Stored::decode(bytes.unwrap_or_default(), token.unwrap_or_default())
     }
@@ -347,9 +373,9 @@ impl RedisStore {
                     .arg(deletion_message(key));
             }
         }
-        let mut connection = self.connection();
+        let invocation = &invocation;
         let (done, bytes, token): (i64, Vec<u8>, String) = self
-            .call(async move { invocation.invoke_async(&mut connection).await })
+            .call(|mut connection| async move { invocation.invoke_async(&mut connection).await })
             .await?;
         if done == 1 {
             // `bytes` is empty here; the second field is the token.
@@ -379,11 +405,17 @@ impl RedisStore {
         })
     }
 
-    /// Asks Redis whether it answers (for health; cheap).
+    /// Asks Redis whether it answers, on every connection (for health;
+    /// cheap): each one that had dropped reconnects, so the first calls after
+    /// an outage do not meet a dead socket.
     pub async fn ping(&self) -> Result<(), Error> {
-        let mut connection = self.connection();
-        self.call(async move { redis::cmd("PING").query_async::<()>(&mut connection).await })
-            .await
+        for connection in &self.inner.connections {
+            self.call_on(connection.clone(), |mut connection| async move {
+                redis::cmd("PING").query_async::<()>(&mut connection).await
+            })
+            .await?;
+        }
+        Ok(())
     }
 }
 
@@ -470,6 +502,21 @@ impl Store for RedisStore {
                     }
                     return Ok(answer);
                 }
+                // Our own write, made by an attempt whose answer was lost
+                // (the bytes hold this call's lease token and times).
+                Swap::Conflict(Some(current))
+                    if matches!(&change, Change::Put(next) if current.bytes == encode_without_token(next)) =>
+                {
+                    let (change, answer) = if draw_token {
+                        apply(record, &mut || Ok(current.record.fencing_token))?
+                    } else {
+                        (change, answer)
+                    };
+                    if let Change::Put(record) = change {
+                        self.inner.recent.remember(key, Stored { record, ..current });
+                    }
+                    return Ok(answer);
+                }
                 Swap::Conflict(current) => {
                     believed = current;
                     verified = true;
@@ -490,13 +537,15 @@ impl Store for RedisStore {
         F: FnMut(Option<SequenceMark>) -> Option<SequenceMark> + Send,
     {
         let redis_key = self.mark_key(scope);
-        let mut connection = self.connection();
+        let read = redis::cmd("GET").arg(&redis_key).clone();
         let mut current: String = self
-            .call(async {
-                connection
-                    .get::<_, Option<String>>(&redis_key)
-                    .await
-                    .map(Option::unwrap_or_default)
+            .call(|mut connection| {
+                let read = &read;
+                async move {
+                    read.query_async::<Option<String>>(&mut connection)
+                        .await
+                        .map(Option::unwrap_or_default)
+                }
             })
             .await?;
         loop {
@@ -508,10 +557,11 @@ impl Store for RedisStore {
                 .arg(&current)
                 .arg(encode_mark(next))
                 .arg(self.ttl_ms(next.retain_until));
+            let invocation = &invocation;
             let (done, now): (i64, String) = self
-                .call(async { invocation.invoke_async(&mut connection).await })
+                .call(|mut connection| async move { invocation.invoke_async(&mut connection).await })
                 .await?;
-            if done == 1 {
+            if done == 1 || now == encode_mark(next) {
                 return Ok(());
             }
             current = now;
@@ -519,10 +569,12 @@ impl Store for RedisStore {
     }
 
     async fn get_mark(&self, scope: &OrderingScope) -> Result<Option<SequenceMark>, Error> {
-        let redis_key = self.mark_key(scope);
-        let mut connection = self.connection();
+        let read = redis::cmd("GET").arg(self.mark_key(scope)).clone();
         let text: Option<String> = self
-            .call(async move { connection.get(&redis_key).await })
+            .call(|mut connection| {
+                let read = &read;
+                async move { read.query_async(&mut connection).await }
+            })
             .await?;
         decode_mark(&text.unwrap_or_default())
     }

@@ -4,9 +4,10 @@
 //! without a network round trip. Everything that changes a record goes to
 //! the shared store.
 //!
-//! Why a committed record may be kept: the state machine never changes one
-//! (protocol §2) — it only expires (the machine applies `retain_until` to the
-//! kept copy as to any other) or is deleted by Forget. Deletions reach every
+//! Why a committed record may be kept: the state machine never changes a
+//! live one (protocol §2) — it only expires (a kept copy is used only while
+//! live by the engine's clock: after that the key may be claimed again) or
+//! is deleted by Forget. Deletions reach every
 //! sidecar through the shared store's [`DeletionFeed`]; while the feed is
 //! not connected the tier is cleared and off, so a deletion missed while
 //! disconnected can never be answered from it. What remains is the feed's
@@ -38,10 +39,10 @@ use super::{
     IssueFencing, ReapReport, Store, StoreObserver, StoreStats,
 };
 use crate::{
-    clock::UnixMillis,
+    clock::{Clock, UnixMillis},
     domain::{FencingToken, Key, OrderingScope, Record, RecordState},
     error::Error,
-    machine::{Change, SequenceMark},
+    machine::{self, Change, SequenceMark},
 };
 
 /// Where and how big the local tier is.
@@ -59,6 +60,7 @@ pub struct LocalTierConfig {
 pub struct Tiered<S> {
     shared: Arc<S>,
     tier: Arc<LocalTier>,
+    clock: Arc<dyn Clock>,
 }
 
 impl<S> fmt::Debug for Tiered<S> {
@@ -74,6 +76,7 @@ impl<S> Clone for Tiered<S> {
         Tiered {
             shared: Arc::clone(&self.shared),
             tier: Arc::clone(&self.tier),
+            clock: Arc::clone(&self.clock),
         }
     }
 }
@@ -85,16 +88,19 @@ enum Lesson {
 }
 
 impl<S: Store + DeletionFeed> Tiered<S> {
-    /// `shared` with a local tier at `config.path`. The tier stays off until
-    /// [`Tiered::keep_current`] has subscribed to the deletion feed.
+    /// `shared` with a local tier at `config.path`, telling time by `clock`
+    /// (the engine's). The tier stays off until [`Tiered::keep_current`] has
+    /// subscribed to the deletion feed.
     pub fn open(
         shared: Arc<S>,
         config: &LocalTierConfig,
+        clock: Arc<dyn Clock>,
         observer: Option<Arc<dyn StoreObserver>>,
     ) -> Result<Self, Error> {
         Ok(Tiered {
             shared,
             tier: Arc::new(LocalTier::open(config, observer)?),
+            clock,
         })
     }
 
@@ -142,13 +148,24 @@ impl<S: Store + DeletionFeed> Tiered<S> {
     }
 }
 
+impl<S> Tiered<S> {
+    /// The kept record of `key`, if the tier is on and the record live: a
+    /// committed record is immutable only until its retention ends (then
+    /// the key may be claimed again, here or elsewhere).
+    fn kept(&self, key: &Key) -> Option<Record> {
+        let kept = self.tier.get(key)?;
+        let now = self.clock.now();
+        machine::live(Some(&kept), now).is_some().then_some(kept)
+    }
+}
+
 impl<S: Store> Store for Tiered<S> {
     async fn update<T, F>(&self, key: &Key, mut apply: F) -> Result<T, Error>
     where
         T: Send,
         F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
     {
-        if let Some(kept) = self.tier.get(key) {
+        if let Some(kept) = self.kept(key) {
             let mut issued = false;
             let (change, answer) = apply(Some(&kept), &mut || {
                 issued = true;
@@ -173,8 +190,9 @@ impl<S: Store> Store for Tiered<S> {
                     (Change::Keep, Some(record)) if record.state == RecordState::Committed => {
                         Some(Lesson::Keep(record.clone()))
                     }
-                    (Change::Delete, _) => Some(Lesson::Drop),
-                    _ => None,
+                    // A claim over an expired commit, or a deletion.
+                    (Change::Put(_) | Change::Delete, _) => Some(Lesson::Drop),
+                    (Change::Keep, _) => None,
                 };
                 Ok((change, answer))
             })
@@ -188,7 +206,7 @@ impl<S: Store> Store for Tiered<S> {
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
-        if let Some(kept) = self.tier.get(key) {
+        if let Some(kept) = self.kept(key) {
             self.tier.observe(true);
             return Ok(Some(kept));
         }

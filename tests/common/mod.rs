@@ -7,6 +7,7 @@
 pub mod forwarder;
 pub mod postgres;
 pub mod redis;
+pub mod shared;
 pub mod sidecar;
 
 #[allow(unused_imports)]
@@ -63,6 +64,8 @@ pub struct TestServer<S: Store = TestStore> {
     pub socket: Option<PathBuf>,
     /// The ops HTTP address, with [`Builder::ops`].
     pub ops: Option<SocketAddr>,
+    /// What the server counts.
+    pub metrics: Arc<Metrics>,
     shutdown: Option<oneshot::Sender<()>>,
     task: Option<JoinHandle<Result<(), Error>>>,
 }
@@ -120,8 +123,9 @@ impl Builder {
         self.start_on(dir, store).await
     }
 
-    /// Reuses `space` when the suite runs on a shared store (a restart).
-    fn in_space(mut self, space: Option<Space>) -> Self {
+    /// Runs over `space` on a shared store (the suite's choice of store
+    /// aside): a second sidecar over the same records, or a restart.
+    pub fn in_space(mut self, space: Option<Space>) -> Self {
         self.space = space;
         self
     }
@@ -141,6 +145,7 @@ impl Builder {
     async fn start_on<S: Store>(self, dir: Arc<TempDir>, store: Arc<S>) -> TestServer<S> {
         let mut config = self.config;
         config.clock = Arc::new(self.clock.clone());
+        let metrics = Arc::clone(&config.metrics);
         // Bind before spawning: the ports are ready before the first call.
         let tcp = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = tcp.local_addr().expect("local addr");
@@ -178,6 +183,7 @@ impl Builder {
             store,
             socket,
             ops,
+            metrics,
             shutdown: Some(shutdown),
             task: Some(task),
         }
@@ -265,6 +271,16 @@ pub enum Space {
 }
 
 impl Space {
+    /// A fresh schema on the machine's PostgreSQL.
+    pub fn postgres() -> Space {
+        Space::Postgres(postgres::fresh_schema())
+    }
+
+    /// A fresh key prefix on the machine's Redis.
+    pub fn redis() -> Space {
+        Space::Redis(redis::fresh_prefix())
+    }
+
     /// Removes everything the test wrote.
     pub async fn remove(&self) {
         match self {
@@ -297,14 +313,20 @@ impl TestStore {
     ) -> TestStore {
         let tier = redis::local_tier(path);
         let observer: Arc<dyn StoreObserver> = Arc::clone(&metrics) as _;
-        match TestStore::kind().as_str() {
+        let kind = match &space {
+            Some(Space::Postgres(_)) => "postgres".to_owned(),
+            Some(Space::Redis(_)) => "redis".to_owned(),
+            None => TestStore::kind(),
+        };
+        match kind.as_str() {
             "postgres" => {
                 let schema = match space {
                     Some(Space::Postgres(schema)) => schema,
                     _ => postgres::fresh_schema(),
                 };
                 let shared = Arc::new(postgres::store(&schema).await);
-                let store = Tiered::open(shared, &tier, Some(observer)).expect("local tier");
+                let store =
+                    Tiered::open(shared, &tier, clock, Some(observer)).expect("local tier");
                 let upkeep = store.keep_current();
                 redis::until_tier_on(&store).await;
                 TestStore::Postgres {
@@ -318,8 +340,9 @@ impl TestStore {
                     Some(Space::Redis(prefix)) => prefix,
                     _ => redis::fresh_prefix(),
                 };
-                let shared = Arc::new(redis::store(&prefix, clock).await);
-                let store = Tiered::open(shared, &tier, Some(observer)).expect("local tier");
+                let shared = Arc::new(redis::store(&prefix, Arc::clone(&clock)).await);
+                let store =
+                    Tiered::open(shared, &tier, clock, Some(observer)).expect("local tier");
                 let upkeep = store.keep_current();
                 redis::until_tier_on(&store).await;
                 TestStore::Redis {
