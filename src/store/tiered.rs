@@ -452,3 +452,133 @@ fn open_tree(db: &sled::Db, number: u64) -> Result<sled::Tree, Error> {
     db.open_tree(tree_name(number))
         .map_err(|error| Error::Store(format!("local tier: {error}")))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tier(dir: &std::path::Path, max_bytes: u64, max_age: Duration) -> Arc<LocalTier> {
+        let tier = LocalTier::open(
+            &LocalTierConfig {
+                path: dir.join("tier"),
+                max_bytes,
+                max_age,
+            },
+            None,
+        )
+        .unwrap();
+        tier.enabled.store(true, SeqCst);
+        Arc::new(tier)
+    }
+
+    fn committed(response_bytes: usize) -> Record {
+        Record {
+            state: RecordState::Committed,
+            lease_token: crate::domain::LeaseToken(7),
+            fencing_token: FencingToken(9),
+            lease_expires_at: UnixMillis(1),
+            attempt: 1,
+            event_type: String::new(),
+            consumer_version: String::new(),
+            owner: String::new(),
+            payload_fingerprint: String::new(),
+            claimed_at: UnixMillis(1),
+            committed_at: Some(UnixMillis(2)),
+            retain_until: UnixMillis(u64::MAX),
+            retention: Duration::from_secs(60),
+            response: vec![1; response_bytes],
+            ordering: None,
+            request_id: String::new(),
+            recovered: false,
+        }
+    }
+
+    fn key(i: usize) -> Key {
+        Key::new_unchecked("tier".into(), format!("evt-{i}"))
+    }
+
+    /// Bytes held in both generations.
+    fn held(tier: &LocalTier) -> u64 {
+        let (current, previous) = tier.trees();
+        [current, previous]
+            .iter()
+            .flat_map(|tree| tree.iter())
+            .map(|entry| {
+                let (key, value) = entry.unwrap();
+                (key.len() + value.len()) as u64
+            })
+            .sum()
+    }
+
+    #[test]
+    fn never_holds_more_than_its_byte_budget() {
+        use futures_util::FutureExt;
+
+        let dir = tempfile::tempdir().unwrap();
+        let tier = tier(dir.path(), 64 << 10, Duration::from_secs(600));
+        let epoch = tier.epoch.load(SeqCst);
+        let mut rotations = 0;
+        for i in 0..1000 {
+            tier.learn(&key(i), &committed(1000), epoch);
+            // What the upkeep task does when told the generation is full.
+            if tier.full.notified().now_or_never().is_some() {
+                tier.rotate();
+                rotations += 1;
+                tier.learn(&key(i), &committed(1000), epoch);
+            }
+            assert!(held(&tier) <= 64 << 10, "{} bytes after {i}", held(&tier));
+        }
+        assert!(rotations > 10, "{rotations}");
+        // The latest records are the ones kept.
+        assert!(tier.get(&key(999)).is_some());
+        assert!(tier.get(&key(0)).is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn forgets_records_older_than_its_age_budget() {
+        let dir = tempfile::tempdir().unwrap();
+        let tier = tier(dir.path(), 8 << 20, Duration::from_secs(60));
+        let rotating = {
+            let tier = Arc::clone(&tier);
+            tokio::spawn(async move { tier.rotate_while(std::future::pending()).await })
+        };
+        let tick = Duration::from_secs(1);
+        for round in 0..3 {
+            tier.learn(&key(round), &committed(10), tier.epoch.load(SeqCst));
+            tokio::time::sleep(Duration::from_secs(29)).await;
+            assert!(tier.get(&key(round)).is_some(), "kept while young");
+            // Never past the budget (and one rotation tick).
+            tokio::time::sleep(Duration::from_secs(31) + tick).await;
+            assert!(tier.get(&key(round)).is_none(), "round {round}: kept past 60 s");
+        }
+        rotating.abort();
+    }
+
+    #[test]
+    fn a_record_read_before_a_deletion_arrived_is_not_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let tier = tier(dir.path(), 8 << 20, Duration::from_secs(600));
+        let read_at = tier.epoch.load(SeqCst);
+        // The deletion notice arrives while the shared store's answer is on
+        // its way: the answer may predate the deletion.
+        tier.invalidate(&key(1));
+        tier.learn(&key(1), &committed(10), read_at);
+        assert!(tier.get(&key(1)).is_none());
+        tier.learn(&key(1), &committed(10), tier.epoch.load(SeqCst));
+        assert!(tier.get(&key(1)).is_some());
+    }
+
+    #[tokio::test]
+    async fn switched_off_it_answers_nothing_and_forgets_everything() {
+        let dir = tempfile::tempdir().unwrap();
+        let tier = tier(dir.path(), 8 << 20, Duration::from_secs(600));
+        tier.learn(&key(1), &committed(10), tier.epoch.load(SeqCst));
+        tier.switch_off().await;
+        assert!(tier.get(&key(1)).is_none());
+        tier.learn(&key(2), &committed(10), tier.epoch.load(SeqCst));
+        tier.enabled.store(true, SeqCst);
+        assert!(tier.get(&key(1)).is_none(), "cleared, not just hidden");
+        assert!(tier.get(&key(2)).is_none(), "nothing learnt while off");
+        assert_eq!(held(&tier), 0);
+    }
+}
