@@ -87,7 +87,12 @@ async fn serve_shared<S: Store + DeletionFeed>(
     let Some(config) = local_tier else {
         return serve_on(Arc::new(store), settings, server).await;
     };
-    match Tiered::open(Arc::new(store), config, Arc::clone(&server.clock), Some(observer)) {
+    match Tiered::open(
+        Arc::new(store),
+        config,
+        Arc::clone(&server.clock),
+        Some(observer),
+    ) {
         Ok(tiered) => {
             tracing::info!(path = %config.path.display(), max_bytes = config.max_bytes, max_age = ?config.max_age, "local tier");
             let _upkeep = tiered.keep_current();

@@ -71,7 +71,9 @@ impl StoreObserver for Metrics {
 
     fn local_tier(&self, hit: bool) {
         let result = if hit { "hit" } else { "miss" };
-        self.local_tier.get_or_create(&LocalTierLabels { result }).inc();
+        self.local_tier
+            .get_or_create(&LocalTierLabels { result })
+            .inc();
     }
 }
 

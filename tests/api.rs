@@ -602,7 +602,10 @@ async fn reaper_removes_expired_records_from_disk() {
                 .query_async(&mut redis)
                 .await
                 .unwrap();
-            assert!((59_000..=60_000).contains(&ttl), "{key} expires in {ttl} ms");
+            assert!(
+                (59_000..=60_000).contains(&ttl),
+                "{key} expires in {ttl} ms"
+            );
         }
     }
     server.clock.advance(Duration::from_secs(61));

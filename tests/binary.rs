@@ -306,7 +306,40 @@ fn bad_configuration_exits_64_with_one_line_before_touching_anything() {
             vec![],
             "--store-schema",
         ),
-        (vec!["--store", "redis"], vec![], "--store"),
+        (vec!["--store", "redis"], vec![], "needs --store-url"),
+        (
+            vec![
+                "--store",
+                "redis",
+                "--store-url",
+                "postgres://app:s3cret@db/x",
+            ],
+            vec![],
+            "not a redis:// or rediss://",
+        ),
+        (
+            vec![
+                "--store",
+                "redis",
+                "--store-url",
+                "rediss://:s3cret@cache:6380/0#insecure",
+            ],
+            vec![],
+            "--store-ca-file",
+        ),
+        (
+            vec![
+                "--store",
+                "redis",
+                "--store-url",
+                "redis://cache:6379",
+                "--local-tier-max-age",
+                "0s",
+            ],
+            vec![],
+            "--local-tier-max-age",
+        ),
+        (vec!["--store", "mongodb"], vec![], "--store"),
     ];
     for (args, env, mentioned) in cases {
         let output = Command::new(BINARY)

@@ -39,7 +39,11 @@ async fn fencing_tokens_increase_after_a_record_expired() {
     for round in 0..4 {
         let client = if round % 2 == 0 { &mut on_a } else { &mut on_b };
         let claimed = claim(client, claim_request("expiring")).await;
-        assert_eq!(outcome(&claimed), pb::ClaimOutcome::Claimed, "round {round}");
+        assert_eq!(
+            outcome(&claimed),
+            pb::ClaimOutcome::Claimed,
+            "round {round}"
+        );
         assert_eq!(claimed.attempt, 1, "round {round}: the record was gone");
         assert!(
             claimed.fencing_token > last,
@@ -127,7 +131,11 @@ async fn an_unreachable_redis_is_unavailable_and_recovers_by_itself() {
     let started = std::time::Instant::now();
     let refused = client.claim(claim_request("pay-2")).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
-    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
     until_health(server.addr, NOT_SERVING).await;
     let off_by = std::time::Instant::now() + 2 * shared::FORGET_WINDOW;
     while tiered.tier_enabled() {

@@ -482,9 +482,11 @@ impl Store for RedisStore {
             {
                 Swap::Done(token) => {
                     let (change, answer) = if draw_token {
-                        let drawn = FencingToken(token.parse().map_err(|_| {
-                            Error::Corrupt(format!("fencing token {token:?}"))
-                        })?);
+                        let drawn = FencingToken(
+                            token
+                                .parse()
+                                .map_err(|_| Error::Corrupt(format!("fencing token {token:?}")))?,
+                        );
                         apply(record, &mut || Ok(drawn))?
                     } else {
                         (change, answer)
@@ -504,8 +506,7 @@ impl Store for RedisStore {
                 }
                 // Our own write, made by an attempt whose answer was lost
                 // (the bytes hold this call's lease token and times).
-                Swap::Conflict(Some(current))
-                    if matches!(&change, Change::Put(next) if current.bytes == encode_without_token(next)) =>
+                Swap::Conflict(Some(current)) if matches!(&change, Change::Put(next) if current.bytes == encode_without_token(next)) =>
                 {
                     let (change, answer) = if draw_token {
                         apply(record, &mut || Ok(current.record.fencing_token))?
@@ -513,7 +514,9 @@ impl Store for RedisStore {
                         (change, answer)
                     };
                     if let Change::Put(record) = change {
-                        self.inner.recent.remember(key, Stored { record, ..current });
+                        self.inner
+                            .recent
+                            .remember(key, Stored { record, ..current });
                     }
                     return Ok(answer);
                 }
@@ -559,7 +562,9 @@ impl Store for RedisStore {
                 .arg(self.ttl_ms(next.retain_until));
             let invocation = &invocation;
             let (done, now): (i64, String) = self
-                .call(|mut connection| async move { invocation.invoke_async(&mut connection).await })
+                .call(
+                    |mut connection| async move { invocation.invoke_async(&mut connection).await },
+                )
                 .await?;
             if done == 1 || now == encode_mark(next) {
                 return Ok(());

@@ -4,12 +4,7 @@
 //! our own Claim can write at once), and the feed of deleted keys that keeps
 //! every sidecar's local tier ([`super::tiered`]) honest.
 
-use std::{
-    collections::HashMap,
-    future::Future,
-    sync::Mutex,
-    time::Duration,
-};
+use std::{collections::HashMap, future::Future, sync::Mutex, time::Duration};
 
 use tokio::sync::mpsc;
 

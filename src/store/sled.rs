@@ -42,7 +42,7 @@ use tokio::sync::{oneshot, watch};
 use super::{
     codec::{decode_mark, decode_record, encode_mark, encode_record},
     disk::{DiskSpace, WriteKind},
-    StoreObserver, IssueFencing, ReapReport, Store, StoreStats,
+    IssueFencing, ReapReport, Store, StoreObserver, StoreStats,
 };
 use crate::{
     clock::UnixMillis,

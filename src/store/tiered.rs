@@ -549,7 +549,10 @@ mod tests {
             assert!(tier.get(&key(round)).is_some(), "kept while young");
             // Never past the budget (and one rotation tick).
             tokio::time::sleep(Duration::from_secs(31) + tick).await;
-            assert!(tier.get(&key(round)).is_none(), "round {round}: kept past 60 s");
+            assert!(
+                tier.get(&key(round)).is_none(),
+                "round {round}: kept past 60 s"
+            );
         }
         rotating.abort();
     }

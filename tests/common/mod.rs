@@ -325,8 +325,7 @@ impl TestStore {
                     _ => postgres::fresh_schema(),
                 };
                 let shared = Arc::new(postgres::store(&schema).await);
-                let store =
-                    Tiered::open(shared, &tier, clock, Some(observer)).expect("local tier");
+                let store = Tiered::open(shared, &tier, clock, Some(observer)).expect("local tier");
                 let upkeep = store.keep_current();
                 redis::until_tier_on(&store).await;
                 TestStore::Postgres {
@@ -341,8 +340,7 @@ impl TestStore {
                     _ => redis::fresh_prefix(),
                 };
                 let shared = Arc::new(redis::store(&prefix, Arc::clone(&clock)).await);
-                let store =
-                    Tiered::open(shared, &tier, clock, Some(observer)).expect("local tier");
+                let store = Tiered::open(shared, &tier, clock, Some(observer)).expect("local tier");
                 let upkeep = store.keep_current();
                 redis::until_tier_on(&store).await;
                 TestStore::Redis {
@@ -373,9 +371,7 @@ impl TestStore {
                 usize::try_from(store.stats().await.records.unwrap_or(u64::MAX))
                     .unwrap_or(usize::MAX)
             }
-            TestStore::Redis { prefix, .. } => redis::keys(&format!("{prefix}:r"))
-                .await
-                .len(),
+            TestStore::Redis { prefix, .. } => redis::keys(&format!("{prefix}:r")).await.len(),
         }
     }
 }

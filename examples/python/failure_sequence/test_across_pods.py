@@ -1,16 +1,19 @@
 """The article's failure sequence across pods: three consumer processes,
-each with its OWN dedupd sidecar (own port, own data directory), all on
-`--store postgres`, fed by RabbitMQ. Consumers are SIGKILLed between the
-business write and Commit and between Commit and the ack, one sidecar is
-SIGKILLed and restarted mid-run, and PostgreSQL itself is restarted once.
-Every redelivery that crosses pods is answered DUPLICATE or `recovered`,
-each event has exactly one credit_transfers row, and no acknowledged commit
-is lost.
+each with its OWN dedupd sidecar (own port, own data directory, own local
+tier), all on one shared store — PostgreSQL, then Redis — fed by RabbitMQ.
+Consumers are SIGKILLed between the business write and Commit and between
+Commit and the ack, one sidecar is SIGKILLed and restarted mid-run, and the
+shared store itself is restarted once (PostgreSQL with pg_ctlcluster; Redis,
+a server of the test's own with `appendfsync always`, SIGKILLed and started
+again on its append-only file). Every redelivery that crosses pods is
+answered DUPLICATE or `recovered`, each event has exactly one
+credit_transfers row, and no acknowledged commit is lost.
 """
 
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import tempfile
 import time
@@ -25,11 +28,62 @@ BINARY = os.environ.get("DEDUPD_BIN", str(ROOT / "target" / "debug" / "dedupd"))
 STORE_URL = os.environ.get("DEDUPD_TEST_STORE_URL", "postgres://postgres@127.0.0.1:5432/test")
 
 
-class Pod:
-    """One dedupd sidecar on the shared PostgreSQL store."""
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
-    def __init__(self, name, schema, workdir):
+
+class OwnRedis:
+    """A redis-server of the test's own, durable as the README asks
+    (`appendonly yes`, `appendfsync always`), so it can be killed and
+    restarted without touching the machine's."""
+
+    def __init__(self, workdir):
+        self.port, self.dir = free_port(), pathlib.Path(workdir) / "redis"
+        self.dir.mkdir()
+        self.process = None
+        self.start()
+
+    @property
+    def url(self):
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self):
+        self.process = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.dir)],
+            stdout=open(self.dir / "redis.log", "ab"),
+        )
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as connection:
+                    connection.sendall(b"PING\r\n")
+                    if connection.recv(64).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            assert self.process.poll() is None, "redis-server exited"
+            assert time.monotonic() < deadline, "redis-server did not answer within 20 s"
+            time.sleep(0.05)
+
+    def kill_9_and_restart(self):
+        self.process.kill()
+        self.process.wait()
+        self.start()
+
+    def stop(self):
+        self.process.kill()
+        self.process.wait()
+
+
+class Pod:
+    """One dedupd sidecar on the shared store."""
+
+    def __init__(self, name, store, url, schema, workdir):
         self.name, self.schema, self.workdir = name, schema, pathlib.Path(workdir)
+        self.store, self.url = store, url
         self.process = None
         self.start()
 
@@ -37,7 +91,7 @@ class Pod:
         ready = self.workdir / f"{self.name}.ready"
         ready.unlink(missing_ok=True)  # a killed sidecar leaves its old one
         self.process = subprocess.Popen(
-            [BINARY, "--store", "postgres", "--store-url", STORE_URL, "--store-schema", self.schema,
+            [BINARY, "--store", self.store, "--store-url", self.url, "--store-schema", self.schema,
              "--listen", "127.0.0.1:0", "--metrics-listen", "off", "--log-format", "json",
              "--data-dir", str(self.workdir / self.name), "--ready-file", str(ready)],
             stderr=open(self.workdir / f"{self.name}.log", "ab"),
@@ -71,18 +125,45 @@ class Pod:
         return json.loads(done.stdout)
 
 
-@pytest.fixture()
-def pods():
-    schema = f"dedupd_pods_{uuid.uuid4().hex[:12]}"
-    with tempfile.TemporaryDirectory() as workdir:
-        started = [Pod(f"pod-{i}", schema, workdir) for i in range(3)]
-        yield started
-        for pod in started:
-            pod.stop()
-    import psycopg
+class Shared:
+    """The shared store under test, and how to restart it."""
 
-    with psycopg.connect(PG, autocommit=True) as db:
-        db.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+    def __init__(self, kind, workdir):
+        self.kind, self.schema = kind, f"dedupd_pods_{uuid.uuid4().hex[:12]}"
+        self.redis = OwnRedis(workdir) if kind == "redis" else None
+        self.url = self.redis.url if self.redis else STORE_URL
+
+    def restart(self):
+        if self.redis:
+            self.redis.kill_9_and_restart()
+        else:
+            restart_postgres()
+
+    def close(self):
+        if self.redis:
+            self.redis.stop()
+            return
+        import psycopg
+
+        with psycopg.connect(PG, autocommit=True) as db:
+            db.execute(f"DROP SCHEMA IF EXISTS {self.schema} CASCADE")
+
+
+@pytest.fixture(params=["postgres", "redis"])
+def shared_store(request):
+    with tempfile.TemporaryDirectory() as workdir:
+        store = Shared(request.param, workdir)
+        yield store, workdir
+        store.close()
+
+
+@pytest.fixture()
+def pods(shared_store):
+    store, workdir = shared_store
+    started = [Pod(f"pod-{i}", store.kind, store.url, store.schema, workdir) for i in range(3)]
+    yield started
+    for pod in started:
+        pod.stop()
 
 
 def restart_postgres():
@@ -95,7 +176,8 @@ def events_of(events, kind):
     return [e for e in events if e["event"] == kind]
 
 
-def test_redeliveries_across_pods_never_double_process(pods):
+def test_redeliveries_across_pods_never_double_process(shared_store, pods):
+    store, _ = shared_store
     broker = Rabbit()
     try:
         ids = [f"pay-{uuid.uuid4().hex}" for _ in range(6)]
@@ -120,10 +202,11 @@ def test_redeliveries_across_pods_never_double_process(pods):
         assert events_of(events, "already_written"), events
         assert rows(first) == 1
 
-        # Pod 2's sidecar is killed and started again; PostgreSQL restarts.
+        # Pod 2's sidecar is killed and started again; the shared store
+        # restarts.
         pods[2].kill_9()
         pods[2].start()
-        restart_postgres()
+        store.restart()
         for pod in pods:
             pod.until_serving()
 
