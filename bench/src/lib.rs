@@ -6,7 +6,9 @@
 //! - [`load`]: drives a workload against a target and reports figures.
 //! - [`target`]: the targets (dedupd, the no-op server, Redis, PostgreSQL).
 //! - [`noop`]: the dedup API answered without a store.
+//! - [`tier`]: the local tier's DUPLICATE against Redis's, without gRPC.
 
 pub mod load;
 pub mod noop;
 pub mod target;
+pub mod tier;

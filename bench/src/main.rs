@@ -4,7 +4,7 @@
 use std::{io::IsTerminal, net::SocketAddr, process::ExitCode};
 
 use clap::{Args, Parser, Subcommand};
-use dedupd_bench::{load, noop};
+use dedupd_bench::{load, noop, tier};
 use tokio::net::TcpListener;
 
 /// Load generator for dedupd and the obvious alternatives.
@@ -21,6 +21,9 @@ enum Command {
     Load(load::LoadArgs),
     /// Serve the dedup API without a store: the gRPC ceiling.
     NoopServer(NoopServerArgs),
+    /// Time DUPLICATE answers from the local tier and from Redis alone,
+    /// through the engine without gRPC.
+    Tier(tier::TierArgs),
 }
 
 /// Options of `dedupd-bench noop-server`.
@@ -58,6 +61,10 @@ fn main() -> ExitCode {
             Err(code) => code,
         },
         Command::NoopServer(args) => noop_server(&args),
+        Command::Tier(args) => match runtime(1) {
+            Ok(runtime) => ExitCode::from(u8::try_from(runtime.block_on(tier::run(args))).unwrap_or(1)),
+            Err(code) => code,
+        },
     }
 }
 

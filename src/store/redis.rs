@@ -221,17 +221,23 @@ impl RedisStore {
         // Redis's TLS builds its rustls configuration from the process's
         // default provider; ring is the one this build carries.
         let _ = rustls::crypto::ring::default_provider().install_default();
+        let invalid = |error: redis::RedisError| Error::Store(format!("{shown}: {error}"));
+        // Nagle's algorithm (redis-rs leaves it on) holds each command until
+        // the last one is acknowledged: measured 3-5x fewer calls per second.
+        let info = redis::IntoConnectionInfo::into_connection_info(config.url.as_str())
+            .map_err(invalid)?
+            .set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true));
         let client = match &config.ca_pem {
             Some(pem) => redis::Client::build_with_tls(
-                config.url.as_str(),
+                info,
                 redis::TlsCertificates {
                     client_tls: None,
                     root_cert: Some(pem.clone()),
                 },
             ),
-            None => redis::Client::open(config.url.as_str()),
+            None => redis::Client::open(info),
         }
-        .map_err(|error| Error::Store(format!("{shown}: {error}")))?;
+        .map_err(invalid)?;
         let manager_config = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(config.timeout))
             .set_response_timeout(Some(config.timeout))
