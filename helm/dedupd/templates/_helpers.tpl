@@ -40,7 +40,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "logFormat" "DEDUPD_LOG_FORMAT" "log" "DEDUPD_LOG" "workerThreads" "DEDUPD_WORKER_THREADS"
   "requestReadTimeout" "DEDUPD_REQUEST_READ_TIMEOUT" "maxConnections" "DEDUPD_MAX_CONNECTIONS"
   "maxStreamsPerConnection" "DEDUPD_MAX_STREAMS_PER_CONNECTION" "maxConnectionAge" "DEDUPD_MAX_CONNECTION_AGE"
-  "diskReserveMb" "DEDUPD_DISK_RESERVE_MB" "storeStallTimeout" "DEDUPD_STORE_STALL_TIMEOUT" }}
+  "diskReserveMb" "DEDUPD_DISK_RESERVE_MB" "storeStallTimeout" "DEDUPD_STORE_STALL_TIMEOUT"
+  "storePoolSize" "DEDUPD_STORE_POOL_SIZE" "storeTimeout" "DEDUPD_STORE_TIMEOUT"
+  "localTierMb" "DEDUPD_LOCAL_TIER_MB" "localTierMaxAge" "DEDUPD_LOCAL_TIER_MAX_AGE" }}
 {{- range $key, $value := .Values.config }}
 {{- if not (hasKey $names $key) }}
 {{- fail (printf "config.%s is not a dedupd setting" $key) }}
