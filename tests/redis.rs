@@ -215,3 +215,87 @@ async fn records_are_one_expiring_hash_each() {
     assert!(redis::keys(prefix).await.is_empty());
     server.stop().await.unwrap();
 }
+
+/// `rediss://` with rustls against a redis-server of the test's own
+/// speaking TLS only: works when its certificate is trusted
+/// (`--store-ca-file`), and is refused — as an unreachable store, never
+/// silently in plaintext — when another CA is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_to_redis_is_verified() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    std::fs::write(&cert, server.cert.pem()).unwrap();
+    std::fs::write(&key, server.signing_key.serialize_pem()).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut redis_tls = std::process::Command::new("redis-server")
+        .args([
+            "--port",
+            "0",
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .args(["--tls-port", &port.to_string(), "--tls-auth-clients", "no"])
+        .arg("--tls-cert-file")
+        .arg(&cert)
+        .arg("--tls-key-file")
+        .arg(&key)
+        .arg("--tls-ca-cert-file")
+        .arg(&cert)
+        .arg("--dir")
+        .arg(dir.path())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("redis-server on PATH");
+    let url = format!("rediss://localhost:{port}");
+    let clock: Arc<dyn Clock> = Arc::new(dedupd::clock::ManualClock::new(START));
+    let trusted = RedisStore::new(
+        &dedupd::store::redis::RedisConfig {
+            url: url.clone(),
+            ca_pem: Some(server.cert.pem().into_bytes()),
+            ..redis::config("tls")
+        },
+        Arc::clone(&clock),
+    )
+    .unwrap();
+    let started = std::time::Instant::now();
+    while trusted.ping().await.is_err() {
+        assert!(started.elapsed() < Duration::from_secs(10), "no TLS answer");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let sidecar = TestServer::builder()
+        .start_with_store(Arc::new(trusted))
+        .await;
+    let mut client = sidecar.client().await;
+    assert_eq!(
+        outcome(&claim(&mut client, claim_request("over-tls")).await),
+        pb::ClaimOutcome::Claimed
+    );
+    sidecar.stop().await.unwrap();
+
+    let stranger = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+    let distrusting = RedisStore::new(
+        &dedupd::store::redis::RedisConfig {
+            url,
+            ca_pem: Some(stranger.cert.pem().into_bytes()),
+            ..redis::config("tls")
+        },
+        clock,
+    )
+    .unwrap();
+    let refused = distrusting.ping().await.unwrap_err();
+    assert!(
+        matches!(refused, dedupd::Error::Unavailable(_)),
+        "an untrusted certificate is no server: {refused:?}"
+    );
+    redis_tls.kill().unwrap();
+    redis_tls.wait().unwrap();
+}

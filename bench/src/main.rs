@@ -62,7 +62,9 @@ fn main() -> ExitCode {
         },
         Command::NoopServer(args) => noop_server(&args),
         Command::Tier(args) => match runtime(1) {
-            Ok(runtime) => ExitCode::from(u8::try_from(runtime.block_on(tier::run(args))).unwrap_or(1)),
+            Ok(runtime) => {
+                ExitCode::from(u8::try_from(runtime.block_on(tier::run(args))).unwrap_or(1))
+            }
             Err(code) => code,
         },
     }

@@ -171,7 +171,7 @@ enum Swap {
     /// Written; the fencing token the record now has (empty for a delete).
     Done(String),
     /// The record was not what the caller believed: here is what it is.
-    Conflict(Option<Stored>),
+    Conflict(Option<Box<Stored>>),
 }
 
 /// The Redis store; clones share the connections.
@@ -389,7 +389,7 @@ impl RedisStore {
                 Error::Corrupt("fencing token is not text".into())
             })?))
         } else {
-            Ok(Swap::Conflict(Stored::decode(bytes, token)?))
+            Ok(Swap::Conflict(Stored::decode(bytes, token)?.map(Box::new)))
         }
     }
 
@@ -522,12 +522,12 @@ impl Store for RedisStore {
                     if let Change::Put(record) = change {
                         self.inner
                             .recent
-                            .remember(key, Stored { record, ..current });
+                            .remember(key, Stored { record, ..*current });
                     }
                     return Ok(answer);
                 }
                 Swap::Conflict(current) => {
-                    believed = current;
+                    believed = current.map(|stored| *stored);
                     verified = true;
                 }
             }

@@ -83,7 +83,7 @@ impl<S> Clone for Tiered<S> {
 
 /// What a call through the shared store taught about the key.
 enum Lesson {
-    Keep(Record),
+    Keep(Box<Record>),
     Drop,
 }
 
@@ -185,10 +185,10 @@ impl<S: Store> Store for Tiered<S> {
                 let (change, answer) = apply(current, issue)?;
                 lesson = match (&change, current) {
                     (Change::Put(next), _) if next.state == RecordState::Committed => {
-                        Some(Lesson::Keep(next.clone()))
+                        Some(Lesson::Keep(Box::new(next.clone())))
                     }
                     (Change::Keep, Some(record)) if record.state == RecordState::Committed => {
-                        Some(Lesson::Keep(record.clone()))
+                        Some(Lesson::Keep(Box::new(record.clone())))
                     }
                     // A claim over an expired commit, or a deletion.
                     (Change::Put(_) | Change::Delete, _) => Some(Lesson::Drop),
