@@ -275,7 +275,7 @@ impl RedisStore {
     /// made once more on the same connection, which then waits for the
     /// reconnection: after Redis restarts, every connection's first call
     /// meets the old socket. A repeated write is safe: the script compares
-    /// before it writes, and [`RedisStore::update`] recognises its own write.
+    /// before it writes, and [`RedisStore::update`] recognises its own claim.
     async fn call<T, Fut>(&self, make: impl Fn(ConnectionManager) -> Fut) -> Result<T, Error>
     where
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
@@ -510,15 +510,16 @@ impl Store for RedisStore {
                     }
                     return Ok(answer);
                 }
-                // Our own write, made by an attempt whose answer was lost
-                // (the bytes hold this call's lease token and times).
-                Swap::Conflict(Some(current)) if matches!(&change, Change::Put(next) if current.bytes == encode_without_token(next)) =>
+                // Our own claim, made by an attempt whose answer was lost:
+                // the bytes hold the lease token this call drew at random.
+                // (Other changes are deterministic, so equal bytes could be
+                // another sidecar's identical write; their retry meets the
+                // truth instead and answers, e.g., ALREADY_COMMITTED.)
+                Swap::Conflict(Some(current))
+                    if draw_token
+                        && matches!(&change, Change::Put(next) if current.bytes == encode_without_token(next)) =>
                 {
-                    let (change, answer) = if draw_token {
-                        apply(record, &mut || Ok(current.record.fencing_token))?
-                    } else {
-                        (change, answer)
-                    };
+                    let (change, answer) = apply(record, &mut || Ok(current.record.fencing_token))?;
                     if let Change::Put(record) = change {
                         self.inner
                             .recent
