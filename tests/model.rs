@@ -359,13 +359,13 @@ proptest! {
             ];
             let tiered = Tiered::open(
                 Arc::new(common::redis::store(&prefixes[2], Arc::clone(&shared_clock)).await),
-                &common::redis::local_tier(dir.path()),
+                &common::shared::local_tier(dir.path()),
                 Arc::clone(&shared_clock),
                 None,
             )
             .unwrap();
             let upkeep = tiered.keep_current();
-            common::redis::until_tier_on(&tiered).await;
+            common::shared::until_tier_on(&tiered).await;
             let mut subjects: Vec<(&str, Subject<AnyStore>)> = vec![
                 ("memory", Subject::new(AnyStore::Memory(MemoryStore::new()), &clock)),
                 ("sled", Subject::new(AnyStore::Sled(sled_store), &clock)),

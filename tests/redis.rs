@@ -98,7 +98,7 @@ async fn an_unreachable_redis_is_unavailable_and_recovers_by_itself() {
     let _reconnect = store.keep_connected();
     let tiered = Tiered::open(
         Arc::new(store),
-        &redis::local_tier(dir.path()),
+        &shared::local_tier(dir.path()),
         Arc::new(clock.clone()),
         None,
     )
@@ -118,7 +118,7 @@ async fn an_unreachable_redis_is_unavailable_and_recovers_by_itself() {
 
     forwarder.restore();
     until_health(server.addr, SERVING).await;
-    redis::until_tier_on(&tiered).await;
+    shared::until_tier_on(&tiered).await;
     let claimed = claim(&mut client, claim_request("pay-1")).await;
     assert_eq!(outcome(&claimed), pb::ClaimOutcome::Claimed);
     claim_and_commit(&mut client, "pay-0", b"done".to_vec())
@@ -149,7 +149,7 @@ async fn an_unreachable_redis_is_unavailable_and_recovers_by_itself() {
     // commit still there.
     forwarder.restore();
     until_health(server.addr, SERVING).await;
-    redis::until_tier_on(&tiered).await;
+    shared::until_tier_on(&tiered).await;
     assert_eq!(
         outcome(&claim(&mut client, claim_request("pay-1")).await),
         pb::ClaimOutcome::InProgress

@@ -311,7 +311,6 @@ impl TestStore {
         clock: Arc<dyn Clock>,
         space: Option<Space>,
     ) -> TestStore {
-        let tier = redis::local_tier(path);
         let observer: Arc<dyn StoreObserver> = Arc::clone(&metrics) as _;
         let kind = match &space {
             Some(Space::Postgres(_)) => "postgres".to_owned(),
@@ -324,10 +323,8 @@ impl TestStore {
                     Some(Space::Postgres(schema)) => schema,
                     _ => postgres::fresh_schema(),
                 };
-                let shared = Arc::new(postgres::store(&schema).await);
-                let store = Tiered::open(shared, &tier, clock, Some(observer)).expect("local tier");
-                let upkeep = store.keep_current();
-                redis::until_tier_on(&store).await;
+                let shared = postgres::store(&schema).await;
+                let (store, upkeep) = shared::tiered(shared, path, clock, observer).await;
                 TestStore::Postgres {
                     store,
                     schema,
@@ -339,10 +336,8 @@ impl TestStore {
                     Some(Space::Redis(prefix)) => prefix,
                     _ => redis::fresh_prefix(),
                 };
-                let shared = Arc::new(redis::store(&prefix, Arc::clone(&clock)).await);
-                let store = Tiered::open(shared, &tier, clock, Some(observer)).expect("local tier");
-                let upkeep = store.keep_current();
-                redis::until_tier_on(&store).await;
+                let shared = redis::store(&prefix, Arc::clone(&clock)).await;
+                let (store, upkeep) = shared::tiered(shared, path, clock, observer).await;
                 TestStore::Redis {
                     store,
                     prefix,

@@ -5,10 +5,7 @@ use std::{sync::Arc, time::Duration};
 
 use dedupd::{
     clock::Clock,
-    store::{
-        redis::{RedisConfig, RedisStore},
-        tiered::{LocalTierConfig, Tiered},
-    },
+    store::redis::{RedisConfig, RedisStore},
 };
 
 pub const URL: &str = "redis://127.0.0.1:6379";
@@ -36,29 +33,6 @@ pub async fn store(prefix: &str, clock: Arc<dyn Clock>) -> RedisStore {
         .await
         .expect("Redis on 127.0.0.1:6379 must answer");
     store
-}
-
-pub fn local_tier(dir: &std::path::Path) -> LocalTierConfig {
-    LocalTierConfig {
-        path: dir.join("local-tier"),
-        max_bytes: 8 << 20,
-        max_age: Duration::from_secs(600),
-    }
-}
-
-/// Waits (bounded) until the local tier of `store` is on.
-pub async fn until_tier_on<S>(store: &Tiered<S>)
-where
-    S: dedupd::store::Store + dedupd::store::shared::DeletionFeed,
-{
-    let started = std::time::Instant::now();
-    while !store.tier_enabled() {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the local tier never came on"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 /// A plain connection for looking at what the store wrote.

@@ -5,9 +5,48 @@
 
 use std::time::{Duration, Instant};
 
-use dedupd::proto::v1 as pb;
+use dedupd::{
+    proto::v1 as pb,
+    store::{shared::DeletionFeed, tiered::LocalTierConfig},
+};
 
 use super::*;
+
+/// A local tier of 8 MiB in `dir`.
+pub fn local_tier(dir: &Path) -> LocalTierConfig {
+    LocalTierConfig {
+        path: dir.join("local-tier"),
+        max_bytes: 8 << 20,
+        max_age: Duration::from_secs(600),
+    }
+}
+
+/// Waits (bounded) until the local tier of `store` is on.
+pub async fn until_tier_on<S: Store + DeletionFeed>(store: &Tiered<S>) {
+    let started = Instant::now();
+    while !store.tier_enabled() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the local tier never came on"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// `shared` behind a local tier in `dir`, its deletion feed connected; the
+/// task keeping it current, to abort when done.
+pub async fn tiered<S: Store + DeletionFeed>(
+    shared: S,
+    dir: &Path,
+    clock: Arc<dyn Clock>,
+    observer: Arc<dyn StoreObserver>,
+) -> (Tiered<S>, JoinHandle<()>) {
+    let store = Tiered::open(Arc::new(shared), &local_tier(dir), clock, Some(observer))
+        .expect("local tier");
+    let upkeep = store.keep_current();
+    until_tier_on(&store).await;
+    (store, upkeep)
+}
 
 /// A sidecar over `space`, its local tier on.
 pub async fn sidecar(space: &Space) -> TestServer {
