@@ -14,6 +14,10 @@
 //!   sidecar and restart.
 //! - `schema_version`: migrations, applied at start under an advisory lock
 //!   so N sidecars starting at once migrate once.
+//! - Deletions are announced by the deleting statement itself
+//!   (`pg_notify('dedupd_deleted', '<schema> <key>')`, delivered at its
+//!   commit) and heard on a `LISTEN` connection of the sidecar's own: the
+//!   [`DeletionFeed`] that keeps local tiers honest.
 //!
 //! A fresh Claim is one statement (`INSERT … ON CONFLICT DO NOTHING
 //! RETURNING`, the fencing token drawn by `nextval` in the same statement):
@@ -377,10 +381,9 @@ impl PostgresStore {
             .get()
             .await
             .map_err(|error| Error::Unavailable(format!("PostgreSQL unreachable: {error}")));
-        match client {
-            Ok(client) => Ok(client),
-            Err(error) => self.inner.reachability.observe(Err(error)),
-        }
+        // A pooled connection is no proof the server answers: only
+        // failures are noted here.
+        client.or_else(|error| self.inner.reachability.observe(Err(error)))
     }
 
     /// Notes whether the server answered, for health.

@@ -684,6 +684,29 @@ mod tests {
     }
 
     #[test]
+    fn a_failing_over_or_unreachable_redis_is_unavailable_not_a_store_fault() {
+        use redis::{ErrorKind, RedisError, ServerErrorKind};
+
+        for kind in [
+            ServerErrorKind::ReadOnly,
+            ServerErrorKind::BusyLoading,
+            ServerErrorKind::MasterDown,
+            ServerErrorKind::TryAgain,
+        ] {
+            let error = RedisError::from((ErrorKind::Server(kind), "failing over"));
+            assert!(
+                matches!(redis_error(error), Error::Unavailable(_)),
+                "{kind:?}"
+            );
+        }
+        let reset = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert!(matches!(redis_error(reset), Error::Unavailable(_)));
+        // A script Redis refuses is our fault, not an outage to wait out.
+        let refused = RedisError::from((ErrorKind::Server(ServerErrorKind::ResponseError), "ERR"));
+        assert!(matches!(redis_error(refused), Error::Store(_)));
+    }
+
+    #[test]
     fn marks_round_trip() {
         let mark = SequenceMark {
             highest: 42,

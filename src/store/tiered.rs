@@ -104,11 +104,6 @@ impl<S: Store + DeletionFeed> Tiered<S> {
         })
     }
 
-    /// The shared store behind the tier.
-    pub fn shared(&self) -> &Arc<S> {
-        &self.shared
-    }
-
     /// Whether the tier answers now (its deletion feed is connected).
     pub fn tier_enabled(&self) -> bool {
         self.tier.enabled.load(SeqCst)
