@@ -492,7 +492,8 @@ async fn reap<S: Store>(
             _ = ticker.tick() => {}
             () = &mut stop => return,
         }
-        // A full batch means more may be waiting: go on, yielding in between.
+        // A pass that removed a full batch means more may be waiting: go on,
+        // yielding in between.
         loop {
             match engine.store().reap(engine.now(), batch).await {
                 Ok(report) => {
@@ -504,7 +505,7 @@ async fn reap<S: Store>(
                             "reaper pass"
                         );
                     }
-                    if report.examined < batch {
+                    if report.removed < batch {
                         break;
                     }
                 }

@@ -1,6 +1,9 @@
-//! The byte form of records and ordering marks at rest in the sled store.
-//! Records are protobuf messages so new fields can be added without
-//! rewriting old data.
+//! The byte form of records and ordering marks at rest (sled, Redis, the
+//! local tier). A record is [`RECORD_V2`], its `retain_until` (u64
+//! big-endian), then a protobuf message with the rest, so new fields can be
+//! added without rewriting old data and the reaper learns whether a record
+//! expired from its first nine bytes, without decoding it. Records written
+//! before the prefix existed (bare protobuf) still decode.
 
 use std::time::Duration;
 
@@ -55,6 +58,11 @@ struct StoredRecord {
     recovered: bool,
 }
 
+/// First byte of a record with the expiry prefix. A bare protobuf record
+/// never starts with it: it would be the tag of field 26, length-delimited,
+/// and `StoredRecord` has no such field.
+const RECORD_V2: u8 = 0xD2;
+
 /// Encodes a record.
 pub fn encode_record(record: &Record) -> Vec<u8> {
     let stored = StoredRecord {
@@ -70,7 +78,8 @@ pub fn encode_record(record: &Record) -> Vec<u8> {
         payload_fingerprint: record.payload_fingerprint.clone(),
         claimed_at_ms: record.claimed_at.0,
         committed_at_ms: record.committed_at.map(|at| at.0),
-        retain_until_ms: record.retain_until.0,
+        // In the prefix instead.
+        retain_until_ms: 0,
         retention_ms: u64::try_from(record.retention.as_millis()).unwrap_or(u64::MAX),
         response: record.response.clone(),
         ordering_key: record.ordering.as_ref().map(|o| o.ordering_key.clone()),
@@ -78,12 +87,45 @@ pub fn encode_record(record: &Record) -> Vec<u8> {
         request_id: record.request_id.clone(),
         recovered: record.recovered,
     };
-    stored.encode_to_vec()
+    let mut bytes = Vec::with_capacity(9 + stored.encoded_len());
+    bytes.push(RECORD_V2);
+    bytes.extend_from_slice(&record.retain_until.0.to_be_bytes());
+    stored
+        .encode(&mut bytes)
+        .expect("a Vec grows to fit the message");
+    bytes
 }
 
-/// Decodes a record written by [`encode_record`].
+/// When the record in `bytes` stops being live, read from its prefix
+/// without decoding the rest (a record without the prefix is decoded).
+pub fn record_retain_until(bytes: &[u8]) -> Result<UnixMillis, Error> {
+    match split_prefix(bytes)? {
+        Some((retain_until, _)) => Ok(retain_until),
+        None => Ok(decode_record(bytes)?.retain_until),
+    }
+}
+
+/// The expiry prefix and the message after it; `None` for a bare protobuf
+/// record.
+fn split_prefix(bytes: &[u8]) -> Result<Option<(UnixMillis, &[u8])>, Error> {
+    if bytes.first() != Some(&RECORD_V2) {
+        return Ok(None);
+    }
+    let prefix: [u8; 8] = bytes
+        .get(1..9)
+        .and_then(|prefix| prefix.try_into().ok())
+        .ok_or_else(|| Error::Corrupt(format!("record of {} bytes", bytes.len())))?;
+    Ok(Some((UnixMillis(u64::from_be_bytes(prefix)), &bytes[9..])))
+}
+
+/// Decodes a record written by [`encode_record`] (or before the prefix).
 pub fn decode_record(bytes: &[u8]) -> Result<Record, Error> {
-    let stored = StoredRecord::decode(bytes).map_err(|e| Error::Corrupt(format!("record: {e}")))?;
+    let (prefix, message) = match split_prefix(bytes)? {
+        Some((retain_until, message)) => (Some(retain_until), message),
+        None => (None, bytes),
+    };
+    let stored =
+        StoredRecord::decode(message).map_err(|e| Error::Corrupt(format!("record: {e}")))?;
     let state = RecordState::from_code(stored.state)
         .ok_or_else(|| Error::Corrupt(format!("record: unknown state {}", stored.state)))?;
     let sequence = stored.sequence;
@@ -101,7 +143,7 @@ pub fn decode_record(bytes: &[u8]) -> Result<Record, Error> {
         payload_fingerprint: stored.payload_fingerprint,
         claimed_at: UnixMillis(stored.claimed_at_ms),
         committed_at: stored.committed_at_ms.map(UnixMillis),
-        retain_until: UnixMillis(stored.retain_until_ms),
+        retain_until: prefix.unwrap_or(UnixMillis(stored.retain_until_ms)),
         retention: Duration::from_millis(stored.retention_ms),
         response: stored.response,
         ordering: stored.ordering_key.map(|ordering_key| OrderingPosition {
@@ -170,6 +212,32 @@ mod tests {
             ..record
         };
         assert_eq!(decode_record(&encode_record(&bare)).unwrap(), bare);
+        assert_eq!(
+            record_retain_until(&encode_record(&bare)).unwrap(),
+            UnixMillis(10_000)
+        );
+    }
+
+    #[test]
+    fn records_written_before_the_expiry_prefix_still_decode() {
+        let legacy = StoredRecord {
+            state: RecordState::Committed.code(),
+            lease_token_low: 5,
+            fencing_token: 7,
+            retain_until_ms: 123_456,
+            response: b"ok".to_vec(),
+            ..StoredRecord::default()
+        }
+        .encode_to_vec();
+        let record = decode_record(&legacy).unwrap();
+        assert_eq!(record.retain_until, UnixMillis(123_456));
+        assert_eq!(record.fencing_token.0, 7);
+        assert_eq!(record.response, b"ok");
+        assert_eq!(record_retain_until(&legacy).unwrap(), UnixMillis(123_456));
+        assert!(matches!(
+            record_retain_until(&[RECORD_V2, 1, 2]),
+            Err(Error::Corrupt(_))
+        ));
     }
 
     #[test]

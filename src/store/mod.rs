@@ -49,7 +49,7 @@ pub trait StoreObserver: Send + Sync + fmt::Debug {
 pub struct ReapReport {
     /// Expired records and ordering marks removed.
     pub removed: usize,
-    /// Index entries examined (removed records included).
+    /// Entries looked at (removed ones included).
     pub examined: usize,
 }
 
@@ -97,8 +97,8 @@ pub trait Store: Send + Sync + 'static {
     /// crash could lose.
     fn durable(&self) -> impl Future<Output = Result<(), Error>> + Send;
 
-    /// Removes up to `budget` records and marks whose retention ended before
-    /// `now`.
+    /// Removes up to `budget` records and marks whose retention ended by
+    /// `now`; the caller calls again while a pass removes a full `budget`.
     fn reap(
         &self,
         now: UnixMillis,

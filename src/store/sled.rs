@@ -1,14 +1,20 @@
-//! The embedded store: sled 0.34 with three trees and one committer thread.
+//! The embedded store: sled 0.34 with two trees and one committer thread.
 //!
-//! - `records`: key bytes → encoded [`Record`]; changed only by
-//!   compare-and-swap, so concurrent calls on one key serialize through the
-//!   state machine without locks.
+//! - `records`: key bytes → encoded [`Record`] (its `retain_until` in the
+//!   first bytes, see [`super::codec`]); changed only by compare-and-swap,
+//!   so concurrent calls on one key serialize through the state machine
+//!   without locks. A call starts by assuming the key is absent: a fresh
+//!   Claim is one `compare_and_swap(key, None, record)`, and when the key
+//!   exists the failed swap hands back its value without writing (a
+//!   DUPLICATE costs that one traversal). A call whose answer would change
+//!   nothing reads first, since an assumption cannot answer it.
 //! - `marks`: ordering scope → highest committed sequence.
-//! - `expiry`: `retain_until (u64 BE) | kind | key` → nothing. Big-endian
-//!   time makes "everything expired by now" one range scan for the reaper.
-//!   An entry is written *before* the record it indexes, so a crash between
-//!   the two leaves at worst a stale entry (dropped by the reaper), never an
-//!   unindexed record that would stay on disk forever.
+//!
+//! No expiry index: the reaper sweeps both trees with a cursor, a bounded
+//! number of entries per pass, reading each one's expiry from its prefix and
+//! removing it by compare-and-swap (so a claim that replaced it meanwhile
+//! wins). An index would cost two more tree writes per change, all at its
+//! right edge. Expired records read as absent whether swept or not.
 //!
 //! Durability (`sync = always`): sled's `flush()` only `sync_file_range`s its
 //! log on Linux, which does not persist the file's metadata or survive power
@@ -40,7 +46,7 @@ use sled::IVec;
 use tokio::sync::{oneshot, watch};
 
 use super::{
-    codec::{decode_mark, decode_record, encode_mark, encode_record},
+    codec::{decode_mark, decode_record, encode_mark, encode_record, record_retain_until},
     disk::{DiskSpace, WriteKind},
     IssueFencing, ReapReport, Store, StoreObserver, StoreStats,
 };
@@ -109,8 +115,12 @@ impl SledConfig {
 /// Background flush interval when `sync = none`.
 const LAZY_FLUSH_MS: u64 = 500;
 
-const KIND_RECORD: u8 = 0;
-const KIND_MARK: u8 = 1;
+/// Reads when an entry of a tree stops being live.
+type RetainUntilOf = fn(&[u8]) -> Result<UnixMillis, Error>;
+
+/// A reaper pass looks at up to this many entries per record it may remove:
+/// a sweep covers the trees even when little in them has expired.
+const SWEEP_PER_REMOVAL: usize = 64;
 
 /// The sled store; clones share one database.
 #[derive(Debug, Clone)]
@@ -123,7 +133,8 @@ struct Inner {
     db: sled::Db,
     records: sled::Tree,
     marks: sled::Tree,
-    expiry: sled::Tree,
+    /// Where the reaper's sweep of each tree goes on from (empty: the start).
+    sweep_cursors: Mutex<[Vec<u8>; 2]>,
     log_file: Arc<File>,
     sync: SyncMode,
     counters: Arc<WriteCounters>,
@@ -261,6 +272,13 @@ impl<'a> WriteGuard<'a> {
         counters.started.fetch_add(1, SeqCst);
         WriteGuard(counters)
     }
+
+    /// Nothing was written after all (a compare-and-swap that found another
+    /// value): readers need not wait for a sync on its account.
+    fn cancel(self) {
+        self.0.started.fetch_sub(1, SeqCst);
+        std::mem::forget(self);
+    }
 }
 
 impl Drop for WriteGuard<'_> {
@@ -329,11 +347,15 @@ impl SledStore {
             )?),
             SyncMode::None => None,
         };
+        // Stores written before the sweep kept an expiry index: drop it.
+        if db.tree_names().iter().any(|name| &name[..] == b"expiry") {
+            db.drop_tree("expiry")?;
+        }
         Ok(SledStore {
             inner: Arc::new(Inner {
                 records: db.open_tree("records")?,
                 marks: db.open_tree("marks")?,
-                expiry: db.open_tree("expiry")?,
+                sweep_cursors: Mutex::new([Vec::new(), Vec::new()]),
                 db,
                 log_file,
                 sync: config.sync,
@@ -366,69 +388,79 @@ impl SledStore {
 
 impl Inner {
     /// Replaces `current` by `replacement` under `key` in `tree` with one
-    /// compare-and-swap, keeping the expiry index in step. `false` when the
-    /// value changed underneath (the caller re-reads and retries).
-    fn swap_indexed(
+    /// compare-and-swap; on a conflict, the value found instead (nothing
+    /// written).
+    fn swap(
         &self,
         tree: &sled::Tree,
-        kind: u8,
         key: &[u8],
-        current: (Option<IVec>, Option<UnixMillis>),
-        replacement: (Option<Vec<u8>>, Option<UnixMillis>),
-    ) -> Result<bool, Error> {
-        let (current_bytes, current_expiry) = current;
-        let (replacement_bytes, replacement_expiry) = replacement;
-        self.space.admit(if replacement_bytes.is_some() {
+        current: Option<&[u8]>,
+        replacement: Option<Vec<u8>>,
+    ) -> Result<Result<(), Option<IVec>>, Error> {
+        self.space.admit(if replacement.is_some() {
             WriteKind::Put
         } else {
             WriteKind::Delete
         })?;
-        let _write = WriteGuard::new(&self.counters);
-        if let Some(at) = replacement_expiry.filter(|&at| Some(at) != current_expiry) {
-            self.expiry.insert(expiry_key(at, kind, key), &[])?;
+        let write = WriteGuard::new(&self.counters);
+        match tree.compare_and_swap(key, current, replacement)? {
+            Ok(()) => Ok(Ok(())),
+            Err(conflict) => {
+                write.cancel();
+                Ok(Err(conflict.current))
+            }
         }
-        if tree
-            .compare_and_swap(key, current_bytes, replacement_bytes)?
-            .is_err()
-        {
-            return Ok(false);
-        }
-        if let Some(at) = current_expiry.filter(|&at| Some(at) != replacement_expiry) {
-            self.expiry.remove(expiry_key(at, kind, key))?;
-        }
-        Ok(true)
     }
 
+    /// Sweeps on from where the last pass stopped, removing what expired by
+    /// `now`: at most `budget` removals, and `budget × SWEEP_PER_REMOVAL`
+    /// entries looked at, over both trees.
     fn reap(&self, now: UnixMillis, budget: usize) -> Result<ReapReport, Error> {
         let mut report = ReapReport::default();
-        let end = (now.0.saturating_add(1)).to_be_bytes();
-        for entry in self.expiry.range(..end).take(budget) {
-            let (index_key, _) = entry?;
-            report.examined += 1;
-            let Some((at, kind, key)) = parse_expiry_key(&index_key) else {
-                self.expiry.remove(&index_key)?;
-                continue;
-            };
-            let tree = if kind == KIND_MARK {
-                &self.marks
+        let limit = budget.saturating_mul(SWEEP_PER_REMOVAL);
+        let trees: [(&sled::Tree, RetainUntilOf); 2] = [
+            (&self.records, record_retain_until),
+            (&self.marks, |bytes| Ok(decode_mark(bytes)?.retain_until)),
+        ];
+        for (index, (tree, retain_until_of)) in trees.into_iter().enumerate() {
+            let from = self.sweep_cursors.lock().expect("sweep lock")[index].clone();
+            let range = if from.is_empty() {
+                tree.range::<&[u8], _>(..)
             } else {
-                &self.records
+                tree.range::<&[u8], _>((
+                    std::ops::Bound::Excluded(&from[..]),
+                    std::ops::Bound::Unbounded,
+                ))
             };
-            let current = tree.get(key)?;
-            let current_expiry = match &current {
-                None => None,
-                Some(bytes) if kind == KIND_MARK => Some(decode_mark(bytes)?.retain_until),
-                Some(bytes) => Some(decode_record(bytes)?.retain_until),
-            };
-            if current_expiry == Some(at) {
-                // A CAS, not a remove: a claim may have replaced the record
+            let mut stopped_at = None;
+            for entry in range {
+                if report.examined >= limit || report.removed >= budget {
+                    break;
+                }
+                let (key, value) = entry?;
+                report.examined += 1;
+                let expired = match retain_until_of(&value) {
+                    Ok(retain_until) => retain_until <= now,
+                    Err(error) => {
+                        tracing::warn!(%error, "the reaper skips an unreadable entry");
+                        false
+                    }
+                };
+                // A swap, not a remove: a claim may have replaced the record
                 // since we read it, and then the new record must stay.
-                if self.swap_indexed(tree, kind, key, (current, Some(at)), (None, None))? {
+                if expired && self.swap(tree, &key, Some(&value), None)?.is_ok() {
                     report.removed += 1;
                 }
-            } else {
-                // The record moved on (or is gone): this entry is stale.
-                self.expiry.remove(&index_key)?;
+                stopped_at = Some(key);
+            }
+            let done = report.examined < limit && report.removed < budget;
+            self.sweep_cursors.lock().expect("sweep lock")[index] = match (done, stopped_at) {
+                // Reached the end of the tree: start over next time.
+                (true, _) | (false, None) => Vec::new(),
+                (false, Some(key)) => key.to_vec(),
+            };
+            if !done {
+                break;
             }
         }
         Ok(report)
@@ -450,25 +482,39 @@ impl Store for SledStore {
         let inner = &self.inner;
         let key = key.to_bytes();
         let mut issue = || self.issue_fencing();
+        // Assume the key absent (see the module docs); a failed swap tells
+        // the truth.
+        let mut current_bytes: Option<IVec> = None;
+        let mut verified = false;
         loop {
-            let current_bytes = inner.records.get(&key)?;
             let current = current_bytes.as_deref().map(decode_record).transpose()?;
             let (change, answer) = apply(current.as_ref(), &mut issue)?;
             let replacement = match change {
+                Change::Keep if verified => return Ok(answer),
+                Change::Delete if current_bytes.is_none() && verified => return Ok(answer),
+                Change::Keep | Change::Delete if current_bytes.is_none() => {
+                    current_bytes = inner.records.get(&key)?;
+                    verified = true;
+                    continue;
+                }
                 Change::Keep => return Ok(answer),
-                Change::Put(record) => Some(record),
+                Change::Put(record) => Some(encode_record(&record)),
                 Change::Delete => None,
             };
-            let current_expiry = current.map(|record| record.retain_until);
-            let replacement_expiry = replacement.as_ref().map(|record| record.retain_until);
-            if inner.swap_indexed(
-                &inner.records,
-                KIND_RECORD,
-                &key,
-                (current_bytes, current_expiry),
-                (replacement.as_ref().map(encode_record), replacement_expiry),
-            )? {
-                return Ok(answer);
+            match inner.swap(&inner.records, &key, current_bytes.as_deref(), replacement) {
+                Ok(Ok(())) => return Ok(answer),
+                Ok(Err(found)) => {
+                    current_bytes = found;
+                    verified = true;
+                }
+                // A write refused (the disk reserve) on an assumption: the
+                // key may exist and the call need no write (a DUPLICATE on
+                // a full disk). Read, and decide on the truth.
+                Err(_) if !verified => {
+                    current_bytes = inner.records.get(&key)?;
+                    verified = true;
+                }
+                Err(refused) => return Err(refused),
             }
         }
     }
@@ -488,23 +534,16 @@ impl Store for SledStore {
     {
         let inner = &self.inner;
         let key = scope.to_bytes();
+        let mut current_bytes = inner.marks.get(&key)?;
         loop {
-            let current_bytes = inner.marks.get(&key)?;
             let current = current_bytes.as_deref().map(decode_mark).transpose()?;
             let Some(replacement) = apply(current) else {
                 return Ok(());
             };
-            if inner.swap_indexed(
-                &inner.marks,
-                KIND_MARK,
-                &key,
-                (current_bytes, current.map(|mark| mark.retain_until)),
-                (
-                    Some(encode_mark(replacement).to_vec()),
-                    Some(replacement.retain_until),
-                ),
-            )? {
-                return Ok(());
+            let replacement = Some(encode_mark(replacement).to_vec());
+            match inner.swap(&inner.marks, &key, current_bytes.as_deref(), replacement)? {
+                Ok(()) => return Ok(()),
+                Err(found) => current_bytes = found,
             }
         }
     }
@@ -730,16 +769,144 @@ fn sync_directory(path: &Path) -> Result<(), Error> {
     Ok(())
 }
 
-fn expiry_key(at: UnixMillis, kind: u8, key: &[u8]) -> Vec<u8> {
-    let mut bytes = Vec::with_capacity(9 + key.len());
-    bytes.extend_from_slice(&at.0.to_be_bytes());
-    bytes.push(kind);
-    bytes.extend_from_slice(key);
-    bytes
-}
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicBool;
 
-fn parse_expiry_key(bytes: &[u8]) -> Option<(UnixMillis, u8, &[u8])> {
-    let time: [u8; 8] = bytes.get(..8)?.try_into().ok()?;
-    let kind = *bytes.get(8)?;
-    Some((UnixMillis(u64::from_be_bytes(time)), kind, &bytes[9..]))
+    use super::*;
+    use crate::{
+        clock::{Clock, ManualClock},
+        domain::{ClaimOutcome, ClaimRequest, CommitRequest, RecordState},
+        engine::Engine,
+    };
+
+    fn store(dir: &Path) -> SledStore {
+        SledStore::open(&SledConfig {
+            cache_capacity_bytes: 4 << 20,
+            ..SledConfig::new(dir)
+        })
+        .unwrap()
+    }
+
+    fn claim_request(id: &str) -> ClaimRequest {
+        ClaimRequest {
+            key: crate::api::Limits::default().key("reap", id).unwrap(),
+            lease_ttl: Duration::from_millis(5),
+            retention: Duration::from_millis(1),
+            event_type: String::new(),
+            consumer_version: String::new(),
+            owner: String::new(),
+            payload_fingerprint: String::new(),
+            ordering: None,
+            request_id: String::new(),
+        }
+    }
+
+    /// The reaper sweeps without pause while one key is claimed and
+    /// committed over and over, each time after the last record expired: a
+    /// claim that replaced the expired record the reaper read must survive
+    /// its removal (a compare-and-swap, not a remove), so every commit with
+    /// the lease just granted succeeds and fencing only grows.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_reaper_never_removes_a_claim_that_replaced_what_it_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(store(dir.path()));
+        let clock = ManualClock::new(UnixMillis(1_000_000));
+        let engine = Engine::new(Arc::clone(&store), Arc::new(clock.clone()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let reaper = {
+            let (store, clock, stop) = (Arc::clone(&store), clock.clone(), Arc::clone(&stop));
+            tokio::spawn(async move {
+                let mut removed = 0;
+                while !stop.load(SeqCst) {
+                    removed += store.reap(clock.now(), 8).await.unwrap().removed;
+                }
+                removed
+            })
+        };
+        let mut last_fencing = 0;
+        for round in 0..500 {
+            // The previous commit (1 ms retention) has expired.
+            clock.advance(Duration::from_millis(10));
+            let request = claim_request("contended");
+            let ClaimOutcome::Claimed { record, .. } = engine.claim(&request).await.unwrap() else {
+                panic!("round {round}: the expired key was not claimable");
+            };
+            assert!(record.fencing_token.0 > last_fencing, "round {round}");
+            last_fencing = record.fencing_token.0;
+            let committed = engine
+                .commit(&CommitRequest {
+                    key: request.key.clone(),
+                    lease_token: record.lease_token,
+                    response: Vec::new(),
+                    retention: None,
+                })
+                .await
+                .unwrap_or_else(|error| panic!("round {round}: {error}"));
+            assert_eq!(committed.record().state, RecordState::Committed);
+        }
+        stop.store(true, SeqCst);
+        let removed = reaper.await.unwrap();
+        assert!(removed > 0, "the reaper raced for real");
+    }
+
+    /// A pass looks at a bounded number of entries and the next one goes on
+    /// from there; every expired record goes within one sweep, live ones
+    /// stay.
+    #[tokio::test]
+    async fn the_sweep_is_bounded_per_pass_and_covers_the_tree() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(dir.path());
+        let clock = ManualClock::new(UnixMillis(1_000_000));
+        let engine = Engine::new(Arc::new(store.clone()), Arc::new(clock.clone()));
+        for i in 0..1000 {
+            let mut request = claim_request(&format!("evt-{i:04}"));
+            if i % 10 == 0 {
+                request.retention = Duration::from_secs(3600); // stays
+            }
+            engine.claim(&request).await.unwrap();
+        }
+        clock.advance(Duration::from_secs(60));
+        let first = store.reap(clock.now(), 1).await.unwrap();
+        assert_eq!(first.removed, 1);
+        assert!(first.examined <= SWEEP_PER_REMOVAL, "{first:?}");
+        let mut passes = 1;
+        while store.record_count() > 100 {
+            store.reap(clock.now(), 10).await.unwrap();
+            passes += 1;
+            assert!(passes < 200, "the sweep did not cover the tree");
+        }
+        assert_eq!(store.record_count(), 100, "live records stay");
+        assert_eq!(store.reap(clock.now(), 10).await.unwrap().removed, 0);
+    }
+
+    /// A data directory from before the sweep had an expiry index: it is
+    /// dropped at open, and its records are still there.
+    #[tokio::test]
+    async fn the_old_expiry_index_is_dropped_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = crate::api::Limits::default().key("old", "evt").unwrap();
+        {
+            let store = store(dir.path());
+            let engine = Engine::new(
+                Arc::new(store.clone()),
+                Arc::new(ManualClock::new(UnixMillis(1_000_000))),
+            );
+            engine.claim(&claim_request("evt")).await.unwrap();
+            store
+                .inner
+                .db
+                .open_tree("expiry")
+                .unwrap()
+                .insert(b"x", b"")
+                .unwrap();
+            store.close().await.unwrap();
+        }
+        let store = store(dir.path());
+        let names = store.inner.db.tree_names();
+        assert!(!names.iter().any(|name| &name[..] == b"expiry"));
+        let old = crate::api::Limits::default().key("reap", "evt").unwrap();
+        assert!(store.get(&old).await.unwrap().is_some());
+        assert!(store.get(&key).await.unwrap().is_none());
+    }
 }
