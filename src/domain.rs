@@ -253,6 +253,24 @@ pub struct ClaimRequest {
     pub request_id: String,
 }
 
+impl ClaimRequest {
+    /// A Claim of `key` carrying nothing else: no metadata, fingerprint,
+    /// ordering position or request ID.
+    pub fn plain(key: Key, lease_ttl: Duration, retention: Duration) -> Self {
+        ClaimRequest {
+            key,
+            lease_ttl,
+            retention,
+            event_type: String::new(),
+            consumer_version: String::new(),
+            owner: String::new(),
+            payload_fingerprint: String::new(),
+            ordering: None,
+            request_id: String::new(),
+        }
+    }
+}
+
 /// A validated Commit.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CommitRequest {

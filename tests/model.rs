@@ -245,15 +245,12 @@ impl<S: Store> Subject<S> {
         Ok(match *op {
             Op::Claim(index, request_id) => {
                 let request = ClaimRequest {
-                    key: key(index),
-                    lease_ttl: Duration::from_secs(LEASE_SECS),
-                    retention: Duration::from_secs(RETENTION_SECS),
-                    event_type: String::new(),
-                    consumer_version: String::new(),
-                    owner: String::new(),
-                    payload_fingerprint: String::new(),
-                    ordering: None,
                     request_id: request_id.map(|id| format!("req-{id}")).unwrap_or_default(),
+                    ..ClaimRequest::plain(
+                        key(index),
+                        Duration::from_secs(LEASE_SECS),
+                        Duration::from_secs(RETENTION_SECS),
+                    )
                 };
                 match self.engine.claim(&request).await? {
                     ClaimOutcome::Claimed { record, recovered } => {

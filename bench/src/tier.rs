@@ -132,17 +132,11 @@ async fn compare(args: &TierArgs) -> Result<(), String> {
 
 fn claim_request(id: &str) -> Result<ClaimRequest, String> {
     let limits = Limits::default();
-    Ok(ClaimRequest {
-        key: limits.key("bench", id).map_err(|e| e.to_string())?,
-        lease_ttl: limits.default_lease_ttl,
-        retention: limits.default_retention,
-        event_type: String::new(),
-        consumer_version: String::new(),
-        owner: String::new(),
-        payload_fingerprint: String::new(),
-        ordering: None,
-        request_id: String::new(),
-    })
+    Ok(ClaimRequest::plain(
+        limits.key("bench", id).map_err(|e| e.to_string())?,
+        limits.default_lease_ttl,
+        limits.default_retention,
+    ))
 }
 
 fn tempfile_dir() -> Result<std::path::PathBuf, String> {

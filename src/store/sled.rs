@@ -789,17 +789,11 @@ mod tests {
     }
 
     fn claim_request(id: &str) -> ClaimRequest {
-        ClaimRequest {
-            key: crate::api::Limits::default().key("reap", id).unwrap(),
-            lease_ttl: Duration::from_millis(5),
-            retention: Duration::from_millis(1),
-            event_type: String::new(),
-            consumer_version: String::new(),
-            owner: String::new(),
-            payload_fingerprint: String::new(),
-            ordering: None,
-            request_id: String::new(),
-        }
+        ClaimRequest::plain(
+            crate::api::Limits::default().key("reap", id).unwrap(),
+            Duration::from_millis(5),
+            Duration::from_millis(1),
+        )
     }
 
     /// The reaper sweeps without pause while one key is claimed and
