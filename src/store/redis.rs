@@ -166,6 +166,18 @@ impl Stored {
     }
 }
 
+/// What the update script is asked to write.
+enum Write {
+    /// The record's bytes at rest (see [`encode_without_token`]), its
+    /// fencing token (`None`: draw one), and when it stops being live.
+    Put {
+        bytes: Vec<u8>,
+        token: Option<FencingToken>,
+        retain_until: UnixMillis,
+    },
+    Delete,
+}
+
 /// What the update script answered.
 enum Swap {
     /// Written; the fencing token the record now has (empty for a delete).
@@ -344,35 +356,32 @@ impl RedisStore {
         Stored::decode(bytes.unwrap_or_default(), token.unwrap_or_default())
     }
 
-    /// Writes `change` if the record is still `believed`.
+    /// Makes `write` if the record is still `believed`.
     async fn swap(
         &self,
         key: &Key,
         redis_key: &str,
         believed: Option<&Stored>,
-        change: &Change,
-        draw_token: bool,
+        write: &Write,
     ) -> Result<Swap, Error> {
         let mut invocation = self.inner.update.key(redis_key);
         match believed {
             Some(stored) => invocation.arg(&stored.bytes[..]).arg(&stored.token),
             None => invocation.arg("").arg(""),
         };
-        match change {
-            Change::Keep => unreachable!("nothing to write"),
-            Change::Put(record) => {
-                let token = if draw_token {
-                    String::new()
-                } else {
-                    record.fencing_token.0.to_string()
-                };
+        match write {
+            Write::Put {
+                bytes,
+                token,
+                retain_until,
+            } => {
                 invocation
                     .arg("put")
-                    .arg(encode_without_token(record))
-                    .arg(token)
-                    .arg(self.ttl_ms(record.retain_until));
+                    .arg(&bytes[..])
+                    .arg(token.map_or_else(String::new, |token| token.0.to_string()))
+                    .arg(self.ttl_ms(*retain_until));
             }
-            Change::Delete => {
+            Write::Delete => {
                 invocation
                     .arg("delete")
                     .arg(self.channel())
@@ -469,21 +478,26 @@ impl Store for RedisStore {
                 draw_token = true;
                 Ok(PROVISIONAL)
             })?;
-            let nothing_to_write = match &change {
-                Change::Keep => true,
-                Change::Delete => believed.is_none(),
-                Change::Put(_) => false,
+            let write = match &change {
+                Change::Keep => None,
+                Change::Delete if believed.is_none() => None,
+                Change::Delete => Some(Write::Delete),
+                Change::Put(next) => Some(Write::Put {
+                    bytes: encode_without_token(next),
+                    token: (!draw_token).then_some(next.fencing_token),
+                    retain_until: next.retain_until,
+                }),
             };
-            if nothing_to_write {
+            let Some(write) = write else {
                 if verified {
                     return Ok(answer);
                 }
                 believed = self.read(&redis_key).await?;
                 verified = true;
                 continue;
-            }
+            };
             match self
-                .swap(key, &redis_key, believed.as_ref(), &change, draw_token)
+                .swap(key, &redis_key, believed.as_ref(), &write)
                 .await?
             {
                 Swap::Done(token) => {
@@ -497,16 +511,20 @@ impl Store for RedisStore {
                     } else {
                         (change, answer)
                     };
-                    match change {
-                        Change::Put(record) => self.inner.recent.remember(
-                            key,
-                            Stored {
-                                bytes: encode_without_token(&record),
-                                token: record.fencing_token.0.to_string(),
-                                record,
-                            },
-                        ),
-                        Change::Delete | Change::Keep => self.inner.recent.forget(key),
+                    // The bytes written hold no token, so they are those of
+                    // the record re-run with the drawn one too.
+                    match (change, write) {
+                        (Change::Put(record), Write::Put { bytes, .. }) => {
+                            self.inner.recent.remember(
+                                key,
+                                Stored {
+                                    bytes,
+                                    token: record.fencing_token.0.to_string(),
+                                    record,
+                                },
+                            )
+                        }
+                        _ => self.inner.recent.forget(key),
                     }
                     return Ok(answer);
                 }
@@ -517,7 +535,7 @@ impl Store for RedisStore {
                 // truth instead and answers, e.g., ALREADY_COMMITTED.)
                 Swap::Conflict(Some(current))
                     if draw_token
-                        && matches!(&change, Change::Put(next) if current.bytes == encode_without_token(next)) =>
+                        && matches!(&write, Write::Put { bytes, .. } if current.bytes == *bytes) =>
                 {
                     let (change, answer) = apply(record, &mut || Ok(current.record.fencing_token))?;
                     if let Change::Put(record) = change {
