@@ -665,9 +665,11 @@ fn spawn_committer(
         .name("dedupd-committer".into())
         .spawn(move || {
             let mut batch = Vec::new();
+            let mut gather = Gather::default();
             while let Ok(first) = waiters.recv() {
                 batch.push(first);
                 batch.extend(waiters.try_iter());
+                gather.more(&mut batch, &waiters);
                 let outcome = match failure.get() {
                     Some(reason) => Err(SyncRefusal::Failed(reason.clone())),
                     None => {
@@ -687,6 +689,7 @@ fn spawn_committer(
                             sync_us = (elapsed - flush_time).as_micros() as u64,
                             "group commit"
                         );
+                        gather.synced(batch.len(), elapsed);
                         if let Some(observer) = &observer {
                             observer.group_commit(batch.len(), elapsed);
                         }
@@ -717,6 +720,45 @@ fn spawn_committer(
             }
         })?;
     Ok(Committer { queue, thread })
+}
+
+/// The longest a group commit waits for more callers before it syncs.
+const MAX_GATHER: Duration = Duration::from_millis(1);
+
+/// How long the committer waits for the rest of a group before it syncs.
+///
+/// Starting a sync for the first caller that arrives makes groups chase
+/// each other under load: one caller gets a sync to itself while the rest,
+/// a few microseconds behind it, wait for all of that sync and the next.
+/// When the previous sync answered more callers than are waiting now, more
+/// are most likely on their way, so wait for as many (at most half a sync's
+/// time, and [`MAX_GATHER`]). A lone caller at low load (the last group was
+/// one) never waits; a load that falls costs one short wait, no more.
+#[derive(Debug, Default)]
+struct Gather {
+    last_group: usize,
+    last_sync: Duration,
+}
+
+impl Gather {
+    fn more<T>(&self, batch: &mut Vec<T>, waiters: &mpsc::Receiver<T>) {
+        if batch.len() >= self.last_group {
+            return;
+        }
+        let deadline = Instant::now() + (self.last_sync / 2).min(MAX_GATHER);
+        while batch.len() < self.last_group {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match waiters.recv_timeout(left) {
+                Ok(waiter) => batch.push(waiter),
+                Err(_) => return,
+            }
+        }
+    }
+
+    fn synced(&mut self, group: usize, took: Duration) {
+        self.last_group = group;
+        self.last_sync = took;
+    }
 }
 
 /// Syncs the blob files sled wrote since the last call (see module docs).
@@ -902,5 +944,42 @@ mod tests {
         let old = crate::api::Limits::default().key("reap", "evt").unwrap();
         assert!(store.get(&old).await.unwrap().is_some());
         assert!(store.get(&key).await.unwrap().is_none());
+    }
+
+    /// A group commit waits for as many callers as the last one answered,
+    /// and no longer than its bound; a lone caller at low load never waits.
+    #[test]
+    fn a_group_commit_gathers_what_the_last_one_answered() {
+        let (queue, waiters) = mpsc::channel::<u32>();
+        let mut gather = Gather::default();
+
+        let mut batch = vec![1];
+        gather.more(&mut batch, &waiters);
+        assert_eq!(batch, [1], "the first group never waits");
+
+        gather.synced(3, Duration::from_millis(10));
+        queue.send(2).unwrap();
+        queue.send(3).unwrap();
+        queue.send(4).unwrap();
+        let mut batch = vec![1];
+        gather.more(&mut batch, &waiters);
+        assert_eq!(batch, [1, 2, 3], "callers behind the first join its group");
+        assert_eq!(waiters.try_recv(), Ok(4), "and the group stops at the last size");
+
+        gather.synced(64, Duration::from_secs(5));
+        let started = Instant::now();
+        let mut batch = vec![1];
+        gather.more(&mut batch, &waiters);
+        assert_eq!(batch, [1]);
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "a slow last sync does not stretch the wait past MAX_GATHER"
+        );
+
+        gather.synced(1, Duration::from_millis(10));
+        queue.send(2).unwrap();
+        let mut batch = vec![1];
+        gather.more(&mut batch, &waiters);
+        assert_eq!(batch, [1], "a group as large as the last one syncs at once");
     }
 }
