@@ -53,11 +53,11 @@ fi
 command -v redis-server >/dev/null || { echo "redis-server is not on PATH" >&2; exit 1; }
 
 "$bench" noop-server --listen 127.0.0.1:51001 --worker-threads 1 2>"$work/noop.log" & pids+=($!)
-"$bin" --listen 127.0.0.1:51002 --data-dir "$work/always" --sync always --worker-threads 1 --log warn 2>"$work/always.log" & pids+=($!)
+"$bin" --listen 127.0.0.1:51002 --metrics-listen off --data-dir "$work/always" --sync always --worker-threads 1 --log warn 2>"$work/always.log" & pids+=($!)
 always_pid=$!
-"$bin" --listen 127.0.0.1:51003 --data-dir "$work/none" --sync none --worker-threads 1 --log warn 2>"$work/none.log" & pids+=($!)
+"$bin" --listen 127.0.0.1:51003 --metrics-listen off --data-dir "$work/none" --sync none --worker-threads 1 --log warn 2>"$work/none.log" & pids+=($!)
 pg_schema="dedupd_bench_$$"
-"$bin" --listen 127.0.0.1:51006 --store postgres --store-url "$pg_url" --store-schema "$pg_schema" \
+"$bin" --listen 127.0.0.1:51006 --metrics-listen off --store postgres --store-url "$pg_url" --store-schema "$pg_schema" \
   --worker-threads 1 --log warn 2>"$work/pg.log" & pids+=($!)
 for mode in always everysec; do
   port=$([ $mode = always ] && echo 51004 || echo 51005)
@@ -115,7 +115,7 @@ done
 # Memory, disk and start-up with many live records, on a fresh sidecar.
 kill "$always_pid"; wait "$always_pid" 2>/dev/null || true
 rm -rf "$work/big"
-"$bin" --listen 127.0.0.1:51002 --data-dir "$work/big" --sync always --worker-threads 1 --log warn 2>"$work/big.log" &
+"$bin" --listen 127.0.0.1:51002 --metrics-listen off --data-dir "$work/big" --sync always --worker-threads 1 --log warn 2>"$work/big.log" &
 big_pid=$!; pids+=($big_pid)
 wait_port 51002
 echo "loading $records claims+commits ..."
@@ -127,7 +127,7 @@ peak_rss_kb=$(awk '/VmHWM/ {print $2}' /proc/$big_pid/status)
 kill -TERM $big_pid; wait $big_pid 2>/dev/null || true
 disk_bytes=$(du -sb "$work/big" | cut -f1)
 restart_started=$(date +%s.%N)
-"$bin" --listen 127.0.0.1:51002 --data-dir "$work/big" --sync always --worker-threads 1 --log warn 2>>"$work/big.log" &
+"$bin" --listen 127.0.0.1:51002 --metrics-listen off --data-dir "$work/big" --sync always --worker-threads 1 --log warn 2>>"$work/big.log" &
 big_pid=$!; pids+=($big_pid)
 until "$bin" lookup --addr 127.0.0.1:51002 -n bench probe >/dev/null 2>&1; do sleep 0.01; done
 startup_seconds=$(python3 -c "print($(date +%s.%N) - $restart_started)")
