@@ -163,7 +163,7 @@ out(f"| disk bytes per live record | {extra['disk_bytes'] / records:,.0f} |")
 out(f"| start-up time (exec to first answered Lookup) | {extra['startup_seconds'] * 1000:,.0f} ms |")
 out("")
 
-out("## Targets of issue 4")
+out("## Targets of issue 12")
 out("")
 
 
@@ -171,24 +171,28 @@ def verdict(ok):
     return "met" if ok else "**not met**"
 
 
-claim64 = fmt_ratio(median("claim", 64, ALWAYS), median("claim", 64, NOOP))
-pairs64_redis = median("claim-commit", 64, ALWAYS), median("claim-commit", 64, "Redis appendfsync=always")
-pairs64_pg = median("claim-commit", 64, ALWAYS), median("claim-commit", 64, "PostgreSQL synchronous_commit=on")
-shared64_pg = median("claim-commit", 64, ON_PG), median("claim-commit", 64, "PostgreSQL synchronous_commit=on")
-batch_best = max((median("batch", c, ALWAYS) or 0) for c in cs) if cs else 0
+def ratio(pair):
+    return pair[0] / pair[1] if pair[0] and pair[1] else 0
+
+
+claim64 = ratio((median("claim", 64, ALWAYS), median("claim", 64, NOOP)))
+pairs64_redis = ratio((median("claim-commit", 64, ALWAYS), median("claim-commit", 64, "Redis appendfsync=always")))
+batch4_redis = ratio((median("batch", 4, ALWAYS), median("batch", 4, "Redis appendfsync=always")))
+batch4_pg = ratio((median("batch", 4, ALWAYS), median("batch", 4, "PostgreSQL synchronous_commit=on")))
 p99_c16 = median("claim", 16, ALWAYS, "latency_us.p99")
 rss_max = max(extra["peak_rss_kb"], extra["rss_after_restart_kb"]) / 1024
-ratio = lambda pair: pair[0] / pair[1] if pair[0] and pair[1] else 0
+per_record = extra["disk_bytes"] / records
+startup_ms = extra["startup_seconds"] * 1000
 out("| target | measured | verdict |")
 out("|---|---:|---|")
-claim_ratio = ratio((median("claim", 64, ALWAYS), median("claim", 64, NOOP)))
-out(f"| durable Claim at c=64 ≥ 0.7 × no-op | {claim64} | {verdict(claim_ratio >= 0.7)} |")
-out(f"| Claim+Commit at c=64 ≥ 1.0 × Redis appendfsync=always | {ratio(pairs64_redis):.2f}× | {verdict(ratio(pairs64_redis) >= 1.0)} |")
-out(f"| Claim+Commit at c=64 ≥ 2.5 × PostgreSQL synchronous_commit=on | {ratio(pairs64_pg):.2f}× | {verdict(ratio(pairs64_pg) >= 2.5)} |")
-out(f"| dedupd on PostgreSQL: Claim+Commit at c=64 ≥ 0.8 × the hand-written PostgreSQL peer (same server) | {ratio(shared64_pg):.2f}× | {verdict(ratio(shared64_pg) >= 0.8)} |")
-out(f"| ClaimBatch of 500 ≥ 300k durable claims/s | {batch_best:,.0f}/s | {verdict(batch_best >= 300_000)} |")
-out(f"| p99 Claim ≤ 1 ms at c=16 | {(p99_c16 or 0) / 1000:.2f} ms | {verdict(p99_c16 is not None and p99_c16 <= 1000)} |")
-out(f"| RSS ≤ 100 MiB with {records:,} live records | {rss_max:.1f} MiB | {verdict(rss_max <= 100)} |")
+out(f"| durable Claim at c=64 ≥ 0.5 × no-op | {claim64:.2f}× | {verdict(claim64 >= 0.5)} |")
+out(f"| Claim+Commit at c=64 ≥ 0.75 × Redis appendfsync=always | {pairs64_redis:.2f}× | {verdict(pairs64_redis >= 0.75)} |")
+out(f"| ClaimBatch of 500 at c=4 ≥ 0.7 × Redis pipeline, appendfsync=always | {batch4_redis:.2f}× | {verdict(batch4_redis >= 0.7)} |")
+out(f"| ClaimBatch of 500 at c=4 ≥ 1.5 × PostgreSQL INSERT … SELECT unnest (synchronous_commit=on) | {batch4_pg:.2f}× | {verdict(batch4_pg >= 1.5)} |")
+out(f"| p99 Claim ≤ 2 ms at c=16 | {(p99_c16 or 0) / 1000:.2f} ms | {verdict(p99_c16 is not None and p99_c16 <= 2000)} |")
+out(f"| peak RSS ≤ 128 MiB with {records:,} live records | {rss_max:.1f} MiB | {verdict(rss_max <= 128)} |")
+out(f"| ≤ 300 disk bytes per live record | {per_record:,.0f} | {verdict(per_record <= 300)} |")
+out(f"| start-up ≤ 1 s with {records:,} records | {startup_ms:,.0f} ms | {verdict(startup_ms <= 1000)} |")
 out("")
 
 generated = "\n".join(lines) + "\n"
