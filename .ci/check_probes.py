@@ -8,8 +8,8 @@ succeeds in a real cluster, and offline schema validation cannot see that.
 For each dedupd container (its image names dedupd) in the given manifests,
 each httpGet, tcpSocket or grpc probe must name a port that one of dedupd's
 listen addresses (DEDUPD_LISTEN, DEDUPD_METRICS_LISTEN, or --listen and
---metrics-listen in args; dedupd's defaults otherwise) serves on a
-non-loopback host. exec probes run inside the container and always pass.
+--metrics-listen in args; dedupd's defaults otherwise; for `dedupd inject`,
+DEDUPD_INJECT_LISTEN or --listen) serves on a non-loopback host. exec probes run inside the container and always pass.
 
     check_probes.py FILE...        exit 1 and one line per bad probe
 """
@@ -21,6 +21,9 @@ import yaml
 
 DEFAULTS = {"DEDUPD_LISTEN": "127.0.0.1:50051", "DEDUPD_METRICS_LISTEN": "127.0.0.1:9090"}
 FLAGS = {"--listen": "DEDUPD_LISTEN", "--metrics-listen": "DEDUPD_METRICS_LISTEN"}
+# `dedupd inject` (the webhook) serves one HTTPS port.
+INJECT_DEFAULTS = {"DEDUPD_INJECT_LISTEN": "0.0.0.0:8443"}
+INJECT_FLAGS = {"--listen": "DEDUPD_INJECT_LISTEN"}
 
 
 def pod_specs(document):
@@ -37,13 +40,15 @@ def pod_specs(document):
 
 
 def listen_settings(container):
-    settings = dict(DEFAULTS)
-    for variable in container.get("env") or []:
-        if variable.get("name") in DEFAULTS and "value" in variable:
-            settings[variable["name"]] = str(variable["value"])
     args = [str(arg) for arg in (container.get("command") or []) + (container.get("args") or [])]
+    injector = "inject" in args
+    defaults, flags = (INJECT_DEFAULTS, INJECT_FLAGS) if injector else (DEFAULTS, FLAGS)
+    settings = dict(defaults)
+    for variable in container.get("env") or []:
+        if variable.get("name") in defaults and "value" in variable:
+            settings[variable["name"]] = str(variable["value"])
     for index, arg in enumerate(args):
-        for flag, name in FLAGS.items():
+        for flag, name in flags.items():
             if arg.startswith(flag + "="):
                 settings[name] = arg.split("=", 1)[1]
             elif arg == flag and index + 1 < len(args):

@@ -47,6 +47,9 @@ pub struct Cli {
 pub enum Command {
     /// Run the sidecar (the default when no command is given).
     Serve(ServeArgs),
+    /// Run the Kubernetes admission webhook that injects dedupd as a
+    /// sidecar into pods labelled dedupd.io/inject=enabled.
+    Inject(crate::inject::InjectArgs),
     /// A client command against a running sidecar.
     #[command(flatten)]
     Client(ClientCommand),

@@ -25,6 +25,8 @@
 //! - [`config`]: flags and `DEDUPD_*` variables → plain settings.
 //! - [`credentials`]: tokens and TLS material read from their files.
 //! - [`cli`]: the command-line client.
+//! - [`inject`]: `dedupd inject`, the admission webhook that adds the
+//!   sidecar to labelled pods (a face of its own: it never touches a store).
 //! - `error`: the error type and its gRPC status mapping ([`Error`]).
 //! - [`proto`]: generated code.
 
@@ -37,6 +39,7 @@ pub mod domain;
 pub mod engine;
 mod error;
 mod guard;
+pub mod inject;
 mod listen;
 pub mod machine;
 mod metrics;

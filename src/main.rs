@@ -11,6 +11,7 @@ use dedupd::{
     clock::SystemClock,
     config::{Cli, Command, LogFormat, ServeArgs, Settings, SharedBackend, StoreSettings},
     credentials::{read_pem_file, TlsFiles},
+    inject::{InjectArgs, InjectMetrics, ReloadingCert},
     store::{
         postgres::{redact_url, PostgresStore},
         redis::RedisStore,
@@ -60,6 +61,7 @@ fn main() -> ExitCode {
             exit_code(runtime.block_on(cli::run(command)))
         }
         Some(Command::Serve(args)) => serve(&args),
+        Some(Command::Inject(args)) => inject(&args),
         None => serve(&cli.serve),
     }
 }
@@ -142,7 +144,7 @@ fn serve(args: &ServeArgs) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    init_tracing(&settings);
+    init_logging(settings.log_filter.clone(), settings.log_format);
     server.connections.max_connections =
         connections_within_file_limit(settings.connections.max_connections);
     let runtime = match runtime(settings.worker_threads) {
@@ -280,15 +282,59 @@ fn connections_within_file_limit(wanted: usize) -> usize {
     }
 }
 
-fn init_tracing(settings: &Settings) {
+fn init_logging(filter: tracing_subscriber::EnvFilter, format: LogFormat) {
     let builder = tracing_subscriber::fmt()
-        .with_env_filter(settings.log_filter.clone())
+        .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
-    match settings.log_format {
+    match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),
     }
+}
+
+/// `dedupd inject`: check the flags and the certificate (exit 64 if
+/// either is wrong), bind, and serve until SIGTERM.
+fn inject(args: &InjectArgs) -> ExitCode {
+    let configured = args.validate().and_then(|settings| {
+        let cert = ReloadingCert::load(settings.tls_cert.clone(), settings.tls_key.clone())?;
+        let filter = tracing_subscriber::EnvFilter::try_new(&args.log)
+            .map_err(|e| format!("--log {:?} is not a valid filter: {e}", args.log))?;
+        Ok((settings, Arc::new(cert), filter))
+    });
+    let (settings, cert, filter) = match configured {
+        Ok(configured) => configured,
+        Err(line) => {
+            eprintln!("dedupd inject: invalid configuration: {line}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    init_logging(filter, args.log_format);
+    let runtime = match runtime(0) {
+        Ok(runtime) => runtime,
+        Err(code) => return code,
+    };
+    runtime.block_on(async move {
+        let listener = match TcpListener::bind(settings.listen).await {
+            Ok(listener) => listener,
+            Err(error) => {
+                tracing::error!(%error, listen = %settings.listen, "cannot listen");
+                return ExitCode::FAILURE;
+            }
+        };
+        tracing::info!(listen = %settings.listen, image = %settings.defaults.image, native_sidecar = settings.defaults.native_sidecar, "injector serving");
+        let _reload = tokio::spawn(Arc::clone(&cert).watch(settings.tls_reload_interval));
+        let metrics = Arc::new(InjectMetrics::default());
+        match dedupd::inject::serve(listener, cert, settings.defaults, metrics, shutdown_signal())
+            .await
+        {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(error) => {
+                tracing::error!(%error, "the injector stopped");
+                ExitCode::FAILURE
+            }
+        }
+    })
 }
 
 /// Resolves on SIGTERM (Kubernetes) or SIGINT (Ctrl-C).

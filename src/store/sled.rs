@@ -964,7 +964,11 @@ mod tests {
         let mut batch = vec![1];
         gather.more(&mut batch, &waiters);
         assert_eq!(batch, [1, 2, 3], "callers behind the first join its group");
-        assert_eq!(waiters.try_recv(), Ok(4), "and the group stops at the last size");
+        assert_eq!(
+            waiters.try_recv(),
+            Ok(4),
+            "and the group stops at the last size"
+        );
 
         gather.synced(64, Duration::from_secs(5));
         let started = Instant::now();
