@@ -149,10 +149,9 @@ fn a_bare_pod_gets_a_native_sidecar() {
     );
     assert!(volume(&pod, "dedupd-data")["emptyDir"].is_object());
     let app = container(&pod["spec"]["containers"], "app");
-    assert_eq!(
-        env_value(app, "DEDUPD_ADDR").unwrap(),
-        "unix:///var/run/dedupd/dedupd.sock"
-    );
+    // No fsGroup: the 0660 socket would refuse an app with another UID.
+    assert_eq!(env_value(app, "DEDUPD_ADDR").unwrap(), "127.0.0.1:50051");
+    assert!(answer.warnings.iter().any(|w| w.contains("fsGroup")));
     assert!(app["volumeMounts"]
         .as_array()
         .unwrap()
@@ -684,9 +683,15 @@ async fn the_dedupd_inject_binary_serves_reviews_and_stops_on_sigterm() {
     for _ in 0..400 {
         if tokio::net::TcpStream::connect(address).await.is_ok() {
             answered = Some(
-                https(address, &pki.ca, "POST", "/mutate", review.to_string().into_bytes())
-                    .await
-                    .unwrap(),
+                https(
+                    address,
+                    &pki.ca,
+                    "POST",
+                    "/mutate",
+                    review.to_string().into_bytes(),
+                )
+                .await
+                .unwrap(),
             );
             break;
         }

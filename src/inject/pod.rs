@@ -316,7 +316,24 @@ impl PodSettings {
             spec.volumes.as_ref(),
             self.volumes(),
         );
-        let address = format!("unix://{SOCKET_DIR}/dedupd.sock");
+        // The socket is 0660: with the pod's fsGroup (the emptyDir is then
+        // setgid to it and every container has it as a supplementary group)
+        // any app UID can connect; without one only UID 65532 and root can,
+        // so the app is pointed at the pod's loopback instead.
+        let fs_group = spec
+            .security_context
+            .as_ref()
+            .and_then(|context| context.fs_group);
+        let address = match fs_group {
+            Some(_) => format!("unix://{SOCKET_DIR}/dedupd.sock"),
+            None => {
+                warnings.push(format!(
+                    "no pod securityContext.fsGroup: apps reach dedupd on 127.0.0.1:{} (set fsGroup to use the Unix socket)",
+                    defaults.grpc_port
+                ));
+                format!("127.0.0.1:{}", defaults.grpc_port)
+            }
+        };
         for (index, container) in spec.containers.iter().enumerate() {
             let base = format!("/spec/containers/{index}");
             let set_by_user = container
@@ -371,13 +388,7 @@ impl PodSettings {
                 "terminationGracePeriodSeconds raised from {current} to {needed} so dedupd can drain"
             ));
         }
-        if self.data_pvc.is_some()
-            && spec
-                .security_context
-                .as_ref()
-                .and_then(|context| context.fs_group)
-                .is_none()
-        {
+        if self.data_pvc.is_some() && fs_group.is_none() {
             warnings.push(
                 "dedupd.io/data-pvc without a pod securityContext.fsGroup: dedupd runs as uid 65532 and may not be able to write the volume; set fsGroup: 65532".into(),
             );
@@ -472,7 +483,9 @@ impl PodSettings {
                 "secret": {
                     "secretName": secret,
                     "items": [{"key": key, "path": "store-url"}],
-                    "defaultMode": 0o440,
+                    // Readable whatever the pod's fsGroup: only the
+                    // sidecar mounts this volume.
+                    "defaultMode": 0o444,
                 },
             }));
         }
