@@ -360,13 +360,19 @@ fn an_invalid_annotation_denies_the_pod_and_says_why() {
 }
 
 #[test]
-fn a_port_the_app_declares_or_a_volume_name_it_uses_denies_the_pod() {
+fn a_port_the_app_declares_host_networking_or_a_volume_name_it_uses_denies_the_pod() {
     let mut review = fixture("bare-pod.json");
     review["request"]["object"]["spec"]["containers"][0]["ports"] =
         json!([{"containerPort": 9090}]);
     let answer = answer_to(&review, &defaults());
     assert!(!answer.allowed);
     assert!(answer.message.contains("port 9090"), "{}", answer.message);
+
+    let mut review = fixture("bare-pod.json");
+    review["request"]["object"]["spec"]["hostNetwork"] = json!(true);
+    let answer = answer_to(&review, &defaults());
+    assert!(!answer.allowed);
+    assert!(answer.message.contains("hostNetwork"), "{}", answer.message);
 
     let mut review = fixture("bare-pod.json");
     review["request"]["object"]["spec"]["volumes"] =

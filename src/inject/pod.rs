@@ -260,6 +260,14 @@ impl PodSettings {
     fn inject(self, pod: &Pod, defaults: &SidecarDefaults) -> Decision {
         let spec = pod.spec.as_ref().expect("checked by decide");
         let mut warnings = Vec::new();
+        if spec.host_network == Some(true) {
+            // The node's loopback and ports, shared by every such pod on
+            // the node: the second sidecar could not bind and would
+            // crash-loop.
+            return Decision::Deny(
+                "the pod uses hostNetwork: the dedupd sidecar's ports would be the node's, shared with other pods; run it without hostNetwork".into(),
+            );
+        }
         let taken: Vec<&str> = spec
             .volumes
             .iter()
