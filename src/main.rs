@@ -298,18 +298,16 @@ fn init_logging(filter: tracing_subscriber::EnvFilter, format: LogFormat) {
 fn inject(args: &InjectArgs) -> ExitCode {
     let configured = args.validate().and_then(|settings| {
         let cert = ReloadingCert::load(settings.tls_cert.clone(), settings.tls_key.clone())?;
-        let filter = tracing_subscriber::EnvFilter::try_new(&args.log)
-            .map_err(|e| format!("--log {:?} is not a valid filter: {e}", args.log))?;
-        Ok((settings, Arc::new(cert), filter))
+        Ok((settings, Arc::new(cert)))
     });
-    let (settings, cert, filter) = match configured {
+    let (settings, cert) = match configured {
         Ok(configured) => configured,
         Err(line) => {
             eprintln!("dedupd inject: invalid configuration: {line}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    init_logging(filter, args.log_format);
+    init_logging(settings.log_filter.clone(), settings.log_format);
     let runtime = match runtime(0) {
         Ok(runtime) => runtime,
         Err(code) => return code,

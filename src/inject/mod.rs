@@ -105,7 +105,7 @@ pub struct InjectArgs {
 }
 
 /// Checked `dedupd inject` settings.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct InjectSettings {
     /// Where to serve.
     pub listen: SocketAddr,
@@ -117,6 +117,10 @@ pub struct InjectSettings {
     pub tls_reload_interval: Duration,
     /// What each pod gets unless its annotations say otherwise.
     pub defaults: SidecarDefaults,
+    /// The injector's own log filter.
+    pub log_filter: tracing_subscriber::EnvFilter,
+    /// And its format.
+    pub log_format: crate::config::LogFormat,
 }
 
 impl InjectArgs {
@@ -145,12 +149,16 @@ impl InjectArgs {
         };
         // The defaults go through the same checks as a pod's annotations.
         pod::check_defaults(&defaults)?;
+        let log_filter = tracing_subscriber::EnvFilter::try_new(&self.log)
+            .map_err(|e| format!("--log {:?} is not a valid filter: {e}", self.log))?;
         Ok(InjectSettings {
             listen: self.listen,
             tls_cert: self.tls_cert.clone(),
             tls_key: self.tls_key.clone(),
             tls_reload_interval: reload,
             defaults,
+            log_filter,
+            log_format: self.log_format,
         })
     }
 }
