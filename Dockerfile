@@ -5,6 +5,12 @@
 # image carries only the sidecar: the benchmark tool is not built into it.
 
 FROM rust:1.95.0-slim-bookworm AS build
+# jemalloc (the allocator) is built from C sources with make, which the slim
+# image lacks.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends make \
+ && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
 # BuildKit cache mounts keep the crate registry and the target directory

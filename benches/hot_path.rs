@@ -29,7 +29,7 @@ use dedupd::{
 
 // The same allocator as the dedupd binary, so the figures match its hot path.
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 fn claim_request(limits: &Limits, id: &str) -> ClaimRequest {
     limits
