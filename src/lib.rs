@@ -27,6 +27,8 @@
 //! - [`cli`]: the command-line client.
 //! - [`inject`]: `dedupd inject`, the admission webhook that adds the
 //!   sidecar to labelled pods (a face of its own: it never touches a store).
+//! - [`proxy`]: the pieces of the HTTP idempotency proxy built so far
+//!   (the Idempotency-Key draft's rules as pure functions; no server yet).
 //! - `error`: the error type and its gRPC status mapping ([`Error`]).
 //! - [`proto`]: generated code.
 
@@ -45,6 +47,7 @@ pub mod machine;
 mod metrics;
 mod ops;
 pub mod proto;
+pub mod proxy;
 pub mod server;
 mod service;
 pub mod store;

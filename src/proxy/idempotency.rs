@@ -1,0 +1,531 @@
+//! What draft-ietf-httpapi-idempotency-key-header defines, as pure
+//! functions for the HTTP proxy face: the `Idempotency-Key` header's value,
+//! the record a keyed request maps to (scoped by method, route and caller,
+//! so two clients' keys never collide), the payload fingerprint (RFC 8785
+//! canonical JSON, so key order and whitespace do not matter), which
+//! responses are kept for replay, and their stored form.
+
+use std::fmt::Write as _;
+
+use http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
+use sha2::{Digest, Sha256};
+
+/// The draft's limit on a key's length, in characters.
+pub const MAX_KEY_CHARS: usize = 255;
+
+/// Why an `Idempotency-Key` header is refused (answered 400).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyProblem {
+    /// Not an RFC 8941 sf-string (`"..."`).
+    #[error("Idempotency-Key must be a quoted structured-field string, e.g. \"8e03978e-40d5-43e8-bc93-6894a57f9324\": {0}")]
+    NotAString(String),
+    /// `""`.
+    #[error("Idempotency-Key must not be empty")]
+    Empty,
+    /// Longer than [`MAX_KEY_CHARS`].
+    #[error("Idempotency-Key is {0} characters long; the limit is {MAX_KEY_CHARS}")]
+    TooLong(usize),
+}
+
+/// A client's idempotency key, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdempotencyKey(String);
+
+impl IdempotencyKey {
+    /// Parses the header value: an sf-string of 1 to 255 characters.
+    pub fn parse(value: &HeaderValue) -> Result<IdempotencyKey, KeyProblem> {
+        let item: sfv::Item = sfv::Parser::new(value.as_bytes())
+            .parse()
+            .map_err(|error| KeyProblem::NotAString(error.to_string()))?;
+        let Some(text) = item.bare_item.as_string() else {
+            return Err(KeyProblem::NotAString(format!(
+                "{:?} is not a string",
+                String::from_utf8_lossy(value.as_bytes())
+            )));
+        };
+        let text = text.as_str();
+        match text.chars().count() {
+            0 => Err(KeyProblem::Empty),
+            length if length > MAX_KEY_CHARS => Err(KeyProblem::TooLong(length)),
+            _ => Ok(IdempotencyKey(text.to_owned())),
+        }
+    }
+
+    /// The key as the client sent it (without the quotes).
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// What a key is scoped by: two requests share a record only when all of
+/// this and the key are equal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Scope<'a> {
+    /// The request method.
+    pub method: &'a Method,
+    /// The route: the request path (the query is part of the fingerprint,
+    /// not of the scope, so a retry with another query is a mismatch).
+    pub route: &'a str,
+    /// The caller's identity (the value of `--scope-header`), when set.
+    pub caller: Option<&'a [u8]>,
+}
+
+impl Scope<'_> {
+    /// The correlation ID the record is kept under: a hex SHA-256 of the
+    /// scope and the key, so it has a fixed length whatever the key holds
+    /// and never carries the caller's credentials in the clear.
+    pub fn record_id(&self, key: &IdempotencyKey) -> String {
+        let mut hash = Sha256::new();
+        for part in [
+            self.method.as_str().as_bytes(),
+            self.route.as_bytes(),
+            self.caller.unwrap_or_default(),
+            key.as_str().as_bytes(),
+        ] {
+            // Length-prefixed, so ("ab", "c") and ("a", "bc") differ.
+            hash.update((part.len() as u64).to_be_bytes());
+            hash.update(part);
+        }
+        hex(&hash.finalize())
+    }
+}
+
+/// The payload fingerprint: SHA-256 over the method, path, query and body,
+/// with a JSON body (by its `Content-Type`) in RFC 8785 canonical form. A
+/// body that claims JSON but does not parse is taken byte for byte.
+pub fn fingerprint(
+    method: &Method,
+    path: &str,
+    query: Option<&str>,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> String {
+    let canonical = is_json(headers)
+        .then(|| serde_json::from_slice::<serde_json::Value>(body).ok())
+        .flatten()
+        .and_then(|value| serde_jcs::to_vec(&value).ok());
+    let mut hash = Sha256::new();
+    for part in [
+        method.as_str().as_bytes(),
+        path.as_bytes(),
+        query.unwrap_or_default().as_bytes(),
+        canonical.as_deref().unwrap_or(body),
+    ] {
+        hash.update((part.len() as u64).to_be_bytes());
+        hash.update(part);
+    }
+    hex(&hash.finalize())
+}
+
+fn is_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.split(';').next())
+        .map(|media| {
+            let media = media.trim().to_ascii_lowercase();
+            media == "application/json"
+                || (media.starts_with("application/") && media.ends_with("+json"))
+        })
+        .unwrap_or(false)
+}
+
+/// Whether an upstream answer is kept and replayed: 2xx and 4xx, except the
+/// ones that say "try again" (408, 409, 425, 429). Anything else (5xx, and
+/// no answer at all) releases the key so a retry runs again.
+pub fn is_replayable(status: StatusCode) -> bool {
+    let kept_class = status.is_success() || status.is_client_error();
+    let retry_later = matches!(status.as_u16(), 408 | 409 | 425 | 429);
+    kept_class && !retry_later
+}
+
+/// Headers that describe one connection, not the response (RFC 9110
+/// §7.6.1), plus those the `Connection` header names: never stored.
+pub fn end_to_end(headers: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
+    const HOP_BY_HOP: [&str; 8] = [
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    ];
+    let named: Vec<String> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .map(|name| name.trim().to_ascii_lowercase())
+        .collect();
+    headers
+        .iter()
+        .filter(|(name, _)| {
+            !HOP_BY_HOP.contains(&name.as_str()) && !named.iter().any(|n| n == name.as_str())
+        })
+        .map(|(name, value)| (name.clone(), value.clone()))
+        .collect()
+}
+
+/// A response kept for replay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// The upstream's status.
+    pub status: StatusCode,
+    /// Its end-to-end headers, in order.
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+    /// Its body; `None` when it was over `--max-response-bytes` (the key is
+    /// committed, the result is not replayable).
+    pub body: Option<Vec<u8>>,
+}
+
+/// Why stored bytes are not a [`StoredResponse`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("stored response is malformed: {0}")]
+pub struct DecodeError(&'static str);
+
+const FORMAT_VERSION: u8 = 1;
+
+impl StoredResponse {
+    /// Encodes it for the record's response field: a version byte, the
+    /// status, the headers and the body, each length-prefixed.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = vec![FORMAT_VERSION];
+        out.extend_from_slice(&self.status.as_u16().to_be_bytes());
+        out.extend_from_slice(&(self.headers.len() as u32).to_be_bytes());
+        for (name, value) in &self.headers {
+            put(&mut out, name.as_str().as_bytes());
+            put(&mut out, value.as_bytes());
+        }
+        match &self.body {
+            Some(body) => {
+                out.push(1);
+                put(&mut out, body);
+            }
+            None => out.push(0),
+        }
+        out
+    }
+
+    /// The inverse of [`StoredResponse::encode`].
+    pub fn decode(bytes: &[u8]) -> Result<StoredResponse, DecodeError> {
+        let mut input = Reader(bytes);
+        if input.take(1)? != [FORMAT_VERSION] {
+            return Err(DecodeError("unknown format version"));
+        }
+        let status = u16::from_be_bytes(input.take(2)?.try_into().expect("two bytes"));
+        let status = StatusCode::from_u16(status).map_err(|_| DecodeError("bad status"))?;
+        let count = u32::from_be_bytes(input.take(4)?.try_into().expect("four bytes"));
+        let mut headers = Vec::new();
+        for _ in 0..count {
+            let name = HeaderName::from_bytes(input.field()?)
+                .map_err(|_| DecodeError("bad header name"))?;
+            let value = HeaderValue::from_bytes(input.field()?)
+                .map_err(|_| DecodeError("bad header value"))?;
+            headers.push((name, value));
+        }
+        let body = match input.take(1)? {
+            [1] => Some(input.field()?.to_vec()),
+            [0] => None,
+            _ => return Err(DecodeError("bad body marker")),
+        };
+        if !input.0.is_empty() {
+            return Err(DecodeError("trailing bytes"));
+        }
+        Ok(StoredResponse {
+            status,
+            headers,
+            body,
+        })
+    }
+}
+
+fn put(out: &mut Vec<u8>, field: &[u8]) {
+    out.extend_from_slice(&(field.len() as u32).to_be_bytes());
+    out.extend_from_slice(field);
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, count: usize) -> Result<&'a [u8], DecodeError> {
+        if self.0.len() < count {
+            return Err(DecodeError("truncated"));
+        }
+        let (taken, rest) = self.0.split_at(count);
+        self.0 = rest;
+        Ok(taken)
+    }
+
+    fn field(&mut self) -> Result<&'a [u8], DecodeError> {
+        let length = u32::from_be_bytes(self.take(4)?.try_into().expect("four bytes"));
+        self.take(length as usize)
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    let mut text = String::with_capacity(bytes.len() * 2);
+    for byte in bytes {
+        let _ = write!(text, "{byte:02x}");
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(text: &str) -> Result<IdempotencyKey, KeyProblem> {
+        IdempotencyKey::parse(&HeaderValue::from_str(text).unwrap())
+    }
+
+    #[test]
+    fn a_key_is_a_quoted_string_of_1_to_255_characters() {
+        assert_eq!(key("\"abc-123\"").unwrap().as_str(), "abc-123");
+        assert_eq!(
+            key(&format!("\"{}\"", "k".repeat(255)))
+                .unwrap()
+                .as_str()
+                .len(),
+            255
+        );
+        assert_eq!(key("\"\""), Err(KeyProblem::Empty));
+        assert_eq!(
+            key(&format!("\"{}\"", "k".repeat(256))),
+            Err(KeyProblem::TooLong(256))
+        );
+        for bad in ["abc", "42", "\"unterminated", "\"a\", \"b\"", ":Ynl0ZXM=:"] {
+            assert!(
+                matches!(key(bad), Err(KeyProblem::NotAString(_))),
+                "{bad} was accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn a_record_id_depends_on_every_part_of_the_scope() {
+        let idempotency = key("\"k1\"").unwrap();
+        let scope = Scope {
+            method: &Method::POST,
+            route: "/orders",
+            caller: Some(b"Bearer alice"),
+        };
+        let id = scope.record_id(&idempotency);
+        assert_eq!(id.len(), 64);
+        assert_eq!(id, scope.record_id(&idempotency), "stable");
+        let others = [
+            Scope {
+                method: &Method::PATCH,
+                ..scope.clone()
+            },
+            Scope {
+                route: "/orders/1",
+                ..scope.clone()
+            },
+            Scope {
+                caller: Some(b"Bearer bob"),
+                ..scope.clone()
+            },
+            Scope {
+                caller: None,
+                ..scope.clone()
+            },
+        ];
+        for other in others {
+            assert_ne!(other.record_id(&idempotency), id, "{other:?}");
+        }
+        assert_ne!(scope.record_id(&key("\"k2\"").unwrap()), id);
+        // Lengths are part of the hash: parts cannot slide into each other.
+        let slid = Scope {
+            route: "/order",
+            caller: Some(b"sBearer alice"),
+            ..scope.clone()
+        };
+        assert_ne!(slid.record_id(&idempotency), id);
+    }
+
+    fn json_headers() -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json; charset=utf-8"),
+        );
+        headers
+    }
+
+    #[test]
+    fn json_bodies_fingerprint_the_same_whatever_their_key_order_and_spacing() {
+        let a = fingerprint(
+            &Method::POST,
+            "/orders",
+            None,
+            &json_headers(),
+            br#"{"amount": 10, "currency":"EUR","items":[1,2]}"#,
+        );
+        let b = fingerprint(
+            &Method::POST,
+            "/orders",
+            None,
+            &json_headers(),
+            b"{\n  \"items\" : [1, 2],\n  \"currency\": \"EUR\", \"amount\": 1e1\n}",
+        );
+        assert_eq!(a, b);
+        let changed = fingerprint(
+            &Method::POST,
+            "/orders",
+            None,
+            &json_headers(),
+            br#"{"amount": 11, "currency":"EUR","items":[1,2]}"#,
+        );
+        assert_ne!(a, changed);
+        let reordered_array = fingerprint(
+            &Method::POST,
+            "/orders",
+            None,
+            &json_headers(),
+            br#"{"amount": 10, "currency":"EUR","items":[2,1]}"#,
+        );
+        assert_ne!(a, reordered_array, "array order is data");
+    }
+
+    #[test]
+    fn the_fingerprint_covers_method_path_query_and_raw_bodies() {
+        let body = b"amount=10&currency=EUR";
+        let plain = HeaderMap::new();
+        let base = fingerprint(&Method::POST, "/orders", Some("v=1"), &plain, body);
+        assert_ne!(
+            base,
+            fingerprint(&Method::PATCH, "/orders", Some("v=1"), &plain, body)
+        );
+        assert_ne!(
+            base,
+            fingerprint(&Method::POST, "/orders/x", Some("v=1"), &plain, body)
+        );
+        assert_ne!(
+            base,
+            fingerprint(&Method::POST, "/orders", Some("v=2"), &plain, body)
+        );
+        assert_ne!(
+            base,
+            fingerprint(&Method::POST, "/orders", None, &plain, body)
+        );
+        assert_ne!(
+            base,
+            fingerprint(
+                &Method::POST,
+                "/orders",
+                Some("v=1"),
+                &plain,
+                b"amount=10&currency=USD"
+            )
+        );
+        // Form bodies are not reordered: only JSON has a canonical form.
+        assert_ne!(
+            base,
+            fingerprint(
+                &Method::POST,
+                "/orders",
+                Some("v=1"),
+                &plain,
+                b"currency=EUR&amount=10"
+            )
+        );
+        // A body that claims JSON but is not: byte for byte, no error.
+        let broken = fingerprint(
+            &Method::POST,
+            "/orders",
+            None,
+            &json_headers(),
+            b"{not json",
+        );
+        assert_eq!(
+            broken,
+            fingerprint(&Method::POST, "/orders", None, &plain, b"{not json")
+        );
+    }
+
+    #[test]
+    fn two_xx_and_four_xx_are_replayed_except_try_again_answers() {
+        for kept in [200, 201, 204, 400, 404, 422] {
+            assert!(is_replayable(StatusCode::from_u16(kept).unwrap()), "{kept}");
+        }
+        for released in [408, 409, 425, 429, 500, 502, 503, 504, 301, 304, 101] {
+            assert!(
+                !is_replayable(StatusCode::from_u16(released).unwrap()),
+                "{released}"
+            );
+        }
+    }
+
+    #[test]
+    fn hop_by_hop_headers_are_not_stored() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        headers.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-trace-hop"),
+        );
+        headers.insert("x-trace-hop", HeaderValue::from_static("1"));
+        headers.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        headers.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        headers.append(header::SET_COOKIE, HeaderValue::from_static("a=1"));
+        headers.append(header::SET_COOKIE, HeaderValue::from_static("b=2"));
+        let kept: Vec<String> = end_to_end(&headers)
+            .into_iter()
+            .map(|(name, value)| format!("{name}: {}", value.to_str().unwrap()))
+            .collect();
+        assert_eq!(
+            kept,
+            [
+                "content-type: application/json",
+                "set-cookie: a=1",
+                "set-cookie: b=2"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_stored_response_round_trips_and_damage_is_reported() {
+        let response = StoredResponse {
+            status: StatusCode::CREATED,
+            headers: vec![
+                (
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/json"),
+                ),
+                (header::SET_COOKIE, HeaderValue::from_static("a=1")),
+                (header::SET_COOKIE, HeaderValue::from_static("b=2")),
+            ],
+            body: Some(br#"{"id":42}"#.to_vec()),
+        };
+        let bytes = response.encode();
+        assert_eq!(StoredResponse::decode(&bytes).unwrap(), response);
+        let too_large = StoredResponse {
+            body: None,
+            ..response.clone()
+        };
+        assert_eq!(
+            StoredResponse::decode(&too_large.encode()).unwrap(),
+            too_large
+        );
+        for cut in 0..bytes.len() {
+            assert!(
+                StoredResponse::decode(&bytes[..cut]).is_err(),
+                "cut at {cut}"
+            );
+        }
+        let mut trailing = bytes.clone();
+        trailing.push(0);
+        assert!(StoredResponse::decode(&trailing).is_err());
+        let mut other_version = bytes;
+        other_version[0] = 9;
+        assert!(StoredResponse::decode(&other_version).is_err());
+    }
+}
