@@ -10,3 +10,4 @@
 //! is not built yet: no command serves it.
 
 pub mod idempotency;
+pub mod server;

@@ -1,0 +1,445 @@
+//! The HTTP idempotency proxy (library level; `dedupd http-proxy` is not
+//! wired yet): a real upstream that counts its calls, the proxy on the
+//! sled store, real HTTP/1.1 and HTTP/2 clients.
+
+use std::{convert::Infallible, net::SocketAddr, sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use dedupd::{
+    clock::SystemClock,
+    engine::Engine,
+    proxy::server::{serve, ProxyConfig},
+    store::sled::{SledConfig, SledStore},
+};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+
+/// The upstream: counts calls per path. `/orders` answers 201 with the call
+/// number, slowly enough for retries to overlap; `/flaky` answers 500 on its
+/// first call and 201 after; `/echo` echoes the body.
+struct Upstream {
+    address: SocketAddr,
+    calls: Arc<counts::Counts>,
+}
+
+mod counts {
+    use std::{collections::HashMap, sync::Mutex};
+
+    #[derive(Default)]
+    pub struct Counts(Mutex<HashMap<String, usize>>);
+
+    impl Counts {
+        pub fn bump(&self, path: &str) -> usize {
+            let mut counts = self.0.lock().unwrap();
+            let count = counts.entry(path.to_owned()).or_default();
+            *count += 1;
+            *count
+        }
+
+        pub fn get(&self, path: &str) -> usize {
+            self.0.lock().unwrap().get(path).copied().unwrap_or(0)
+        }
+    }
+}
+
+async fn upstream() -> Upstream {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let calls = Arc::new(counts::Counts::default());
+    let counts = Arc::clone(&calls);
+    tokio::spawn(async move {
+        loop {
+            let (stream, _) = listener.accept().await.unwrap();
+            let counts = Arc::clone(&counts);
+            tokio::spawn(async move {
+                let service =
+                    hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
+                        let counts = Arc::clone(&counts);
+                        async move {
+                            let path = request.uri().path().to_owned();
+                            let call = counts.bump(&path);
+                            let body = request.into_body().collect().await.unwrap().to_bytes();
+                            let (status, text) = match path.as_str() {
+                                "/orders" => {
+                                    tokio::time::sleep(Duration::from_millis(200)).await;
+                                    (StatusCode::CREATED, format!("{{\"order\":{call}}}"))
+                                }
+                                "/flaky" if call == 1 => {
+                                    (StatusCode::INTERNAL_SERVER_ERROR, "boom".into())
+                                }
+                                "/flaky" => (StatusCode::CREATED, format!("{{\"call\":{call}}}")),
+                                _ => (StatusCode::OK, String::from_utf8_lossy(&body).into_owned()),
+                            };
+                            let response = Response::builder()
+                                .status(status)
+                                .header("content-type", "application/json")
+                                .header("x-upstream-call", call.to_string())
+                                .body(Full::new(Bytes::from(text)))
+                                .unwrap();
+                            Ok::<_, Infallible>(response)
+                        }
+                    });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    Upstream { address, calls }
+}
+
+struct Proxy {
+    address: SocketAddr,
+    _dir: tempfile::TempDir,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+async fn proxy(upstream: &Upstream, require_key: bool) -> Proxy {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SledStore::open(&SledConfig::new(dir.path().join("data"))).unwrap();
+    let engine = Engine::new(Arc::new(store), Arc::new(SystemClock));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let config = ProxyConfig {
+        upstream: format!("http://{}", upstream.address).parse().unwrap(),
+        namespace: "http".into(),
+        methods: vec![Method::POST, Method::PATCH],
+        scope_header: Some(http::header::AUTHORIZATION),
+        require_key,
+        lease_ttl: Duration::from_secs(5),
+        retention: Duration::from_secs(3600),
+        max_response_bytes: 64 << 10,
+        max_request_bytes: 1 << 20,
+        upstream_timeout: Duration::from_secs(10),
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(serve(listener, engine, config, async {
+        let _ = stopped.await;
+    }));
+    Proxy {
+        address,
+        _dir: dir,
+        _stop: stop,
+    }
+}
+
+struct Answer {
+    status: StatusCode,
+    headers: http::HeaderMap,
+    body: String,
+}
+
+async fn send(
+    address: SocketAddr,
+    method: Method,
+    path: &str,
+    key: Option<&str>,
+    caller: Option<&str>,
+    body: &str,
+) -> Answer {
+    let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .build_http::<Full<Bytes>>();
+    let mut request = Request::builder()
+        .method(method)
+        .uri(format!("http://{address}{path}"))
+        .header("content-type", "application/json");
+    if let Some(key) = key {
+        request = request.header("idempotency-key", key);
+    }
+    if let Some(caller) = caller {
+        request = request.header("authorization", caller);
+    }
+    let response = client
+        .request(
+            request
+                .body(Full::new(Bytes::from(body.to_owned())))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let (parts, body) = response.into_parts();
+    Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body: String::from_utf8(body.collect().await.unwrap().to_bytes().to_vec()).unwrap(),
+    }
+}
+
+fn replayed(answer: &Answer) -> bool {
+    answer
+        .headers
+        .get("idempotent-replayed")
+        .is_some_and(|value| value == "true")
+}
+
+#[tokio::test]
+async fn twenty_identical_posts_reach_the_upstream_once() {
+    let upstream = upstream().await;
+    let proxy = proxy(&upstream, false).await;
+    let body = r#"{"amount":10,"currency":"EUR"}"#;
+    let answers = futures_util::future::join_all((0..20).map(|_| {
+        send(
+            proxy.address,
+            Method::POST,
+            "/orders",
+            Some("\"order-1\""),
+            None,
+            body,
+        )
+    }))
+    .await;
+    assert_eq!(
+        upstream.calls.get("/orders"),
+        1,
+        "the upstream saw one request"
+    );
+    let originals = answers
+        .iter()
+        .filter(|a| a.status == StatusCode::CREATED && !replayed(a))
+        .count();
+    assert_eq!(originals, 1);
+    for answer in &answers {
+        match answer.status {
+            StatusCode::CREATED => assert_eq!(answer.body, "{\"order\":1}"),
+            StatusCode::CONFLICT => {
+                assert_eq!(answer.headers["content-type"], "application/problem+json");
+                assert!(answer.headers.contains_key("retry-after"));
+                assert!(answer.body.contains("request-in-progress"));
+            }
+            other => panic!("unexpected {other}: {}", answer.body),
+        }
+    }
+
+    let retry = send(
+        proxy.address,
+        Method::POST,
+        "/orders",
+        Some("\"order-1\""),
+        None,
+        body,
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(replayed(&retry));
+    assert_eq!(retry.body, "{\"order\":1}");
+    assert_eq!(
+        retry.headers["x-upstream-call"], "1",
+        "the upstream's headers are replayed"
+    );
+    assert!(retry.headers.contains_key("idempotency-key-expires"));
+    assert_eq!(upstream.calls.get("/orders"), 1);
+}
+
+#[tokio::test]
+async fn json_key_order_does_not_matter_but_another_payload_is_refused() {
+    let upstream = upstream().await;
+    let proxy = proxy(&upstream, false).await;
+    let first = send(
+        proxy.address,
+        Method::POST,
+        "/echo",
+        Some("\"k\""),
+        None,
+        r#"{"a":1,"b":[1,2]}"#,
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::OK);
+    let reordered = send(
+        proxy.address,
+        Method::POST,
+        "/echo",
+        Some("\"k\""),
+        None,
+        "{ \"b\": [1, 2], \"a\": 1 }",
+    )
+    .await;
+    assert_eq!(reordered.status, StatusCode::OK);
+    assert!(replayed(&reordered));
+    assert_eq!(reordered.body, r#"{"a":1,"b":[1,2]}"#);
+    let other = send(
+        proxy.address,
+        Method::POST,
+        "/echo",
+        Some("\"k\""),
+        None,
+        r#"{"a":2,"b":[1,2]}"#,
+    )
+    .await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(other.headers["content-type"], "application/problem+json");
+    assert!(other.body.contains("idempotency-key-reused"));
+    assert_eq!(upstream.calls.get("/echo"), 1);
+}
+
+#[tokio::test]
+async fn callers_keys_never_collide() {
+    let upstream = upstream().await;
+    let proxy = proxy(&upstream, false).await;
+    for caller in ["Bearer alice", "Bearer bob"] {
+        let answer = send(
+            proxy.address,
+            Method::POST,
+            "/echo",
+            Some("\"same\""),
+            Some(caller),
+            "{}",
+        )
+        .await;
+        assert!(!replayed(&answer), "{caller} got another caller's replay");
+    }
+    assert_eq!(upstream.calls.get("/echo"), 2);
+}
+
+#[tokio::test]
+async fn a_server_error_releases_the_key_so_the_retry_runs_again() {
+    let upstream = upstream().await;
+    let proxy = proxy(&upstream, false).await;
+    let first = send(
+        proxy.address,
+        Method::POST,
+        "/flaky",
+        Some("\"f\""),
+        None,
+        "{}",
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR);
+    let retry = send(
+        proxy.address,
+        Method::POST,
+        "/flaky",
+        Some("\"f\""),
+        None,
+        "{}",
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!replayed(&retry));
+    assert_eq!(upstream.calls.get("/flaky"), 2);
+    let again = send(
+        proxy.address,
+        Method::POST,
+        "/flaky",
+        Some("\"f\""),
+        None,
+        "{}",
+    )
+    .await;
+    assert!(replayed(&again));
+    assert_eq!(again.body, "{\"call\":2}");
+}
+
+#[tokio::test]
+async fn bad_or_missing_keys_are_400_and_other_requests_pass_through() {
+    let upstream = upstream().await;
+    let proxy = proxy(&upstream, false).await;
+    for bad in ["unquoted", "\"\""] {
+        let answer = send(proxy.address, Method::POST, "/echo", Some(bad), None, "{}").await;
+        assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{bad}");
+        assert!(answer.body.contains("invalid-idempotency-key"));
+    }
+    let long = format!("\"{}\"", "k".repeat(256));
+    let answer = send(
+        proxy.address,
+        Method::POST,
+        "/echo",
+        Some(&long),
+        None,
+        "{}",
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        upstream.calls.get("/echo"),
+        0,
+        "refused requests never reach the upstream"
+    );
+
+    // No key, or a method that is not deduplicated: straight through, each time.
+    for _ in 0..2 {
+        send(proxy.address, Method::POST, "/echo", None, None, "{}").await;
+        send(
+            proxy.address,
+            Method::PUT,
+            "/echo",
+            Some("\"k\""),
+            None,
+            "{}",
+        )
+        .await;
+    }
+    assert_eq!(upstream.calls.get("/echo"), 4);
+
+    let strict = self::proxy(&upstream, true).await;
+    let missing = send(strict.address, Method::POST, "/echo", None, None, "{}").await;
+    assert_eq!(missing.status, StatusCode::BAD_REQUEST);
+    assert!(missing.body.contains("missing-idempotency-key"));
+    assert_eq!(upstream.calls.get("/echo"), 4);
+}
+
+#[tokio::test]
+async fn an_http2_client_is_deduplicated_too() {
+    let upstream = upstream().await;
+    let proxy = proxy(&upstream, false).await;
+    let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http::<Full<Bytes>>();
+    let mut statuses = Vec::new();
+    for _ in 0..2 {
+        let request = Request::post(format!("http://{}/echo", proxy.address))
+            .header("idempotency-key", "\"h2\"")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(b"{\"x\":1}")))
+            .unwrap();
+        let response = client.request(request).await.unwrap();
+        assert_eq!(response.version(), http::Version::HTTP_2);
+        statuses.push((
+            response.status(),
+            response.headers().contains_key("idempotent-replayed"),
+        ));
+    }
+    assert_eq!(statuses, [(StatusCode::OK, false), (StatusCode::OK, true)]);
+    assert_eq!(upstream.calls.get("/echo"), 1);
+}
+
+#[tokio::test]
+async fn a_client_that_disconnects_still_gets_its_result_committed() {
+    let upstream = upstream().await;
+    let proxy = proxy(&upstream, false).await;
+    // Give up long before the upstream's 200 ms answer.
+    let abandoned = tokio::time::timeout(
+        Duration::from_millis(50),
+        send(
+            proxy.address,
+            Method::POST,
+            "/orders",
+            Some("\"gone\""),
+            None,
+            "{}",
+        ),
+    )
+    .await;
+    assert!(abandoned.is_err());
+    let mut replay = None;
+    for _ in 0..100 {
+        let answer = send(
+            proxy.address,
+            Method::POST,
+            "/orders",
+            Some("\"gone\""),
+            None,
+            "{}",
+        )
+        .await;
+        if answer.status == StatusCode::CREATED {
+            replay = Some(answer);
+            break;
+        }
+        assert_eq!(answer.status, StatusCode::CONFLICT);
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let replay = replay.expect("the abandoned request was committed");
+    assert!(replayed(&replay));
+    assert_eq!(upstream.calls.get("/orders"), 1);
+}
