@@ -16,6 +16,7 @@ use crate::{
     cli::ClientCommand,
     credentials::{AuthSources, StoreUrlSource, TlsFiles, TokenSource},
     listen::ListenAddr,
+    proxy::server::ProxyConfig,
     server::ConnectionLimits,
     store::{
         postgres::{self, check_schema, PostgresConfig},
@@ -36,6 +37,22 @@ pub struct Cli {
     /// A client command.
     #[command(subcommand)]
     pub command: Option<Command>,
+}
+
+/// A clap error on one line: its message and the lines that complete it
+/// (the missing argument, the possible values), without usage or help hints.
+pub fn one_line_error(error: &clap::Error) -> String {
+    error
+        .render()
+        .to_string()
+        .lines()
+        .map(str::trim)
+        .take_while(|line| !line.starts_with("Usage:"))
+        .filter(|line| !line.is_empty() && !line.starts_with("For more information"))
+        .collect::<Vec<_>>()
+        .join(" ")
+        .trim_start_matches("error: ")
+        .to_owned()
 }
 
 /// What to do.
@@ -258,6 +275,132 @@ pub struct ServeArgs {
     /// and the way to learn ports chosen with `:0`.
     #[arg(long, env = "DEDUPD_READY_FILE")]
     pub ready_file: Option<PathBuf>,
+    /// The HTTP idempotency proxy (off unless --http-proxy-listen is set).
+    #[command(flatten)]
+    pub http_proxy: HttpProxyArgs,
+}
+
+/// `--http-proxy-*`: dedupd in front of an HTTP service, deduplicating
+/// requests that carry an `Idempotency-Key` header.
+#[derive(Debug, Clone, Args)]
+pub struct HttpProxyArgs {
+    /// Serve the HTTP idempotency proxy here (HOST:PORT; HTTP/1.1 and
+    /// HTTP/2). Off when unset.
+    #[arg(
+        long,
+        env = "DEDUPD_HTTP_PROXY_LISTEN",
+        requires = "http_proxy_upstream"
+    )]
+    pub http_proxy_listen: Option<SocketAddr>,
+    /// The service behind the proxy (http://HOST:PORT).
+    #[arg(
+        long,
+        env = "DEDUPD_HTTP_PROXY_UPSTREAM",
+        requires = "http_proxy_listen"
+    )]
+    pub http_proxy_upstream: Option<String>,
+    /// Methods whose keyed requests are deduplicated, comma-separated.
+    #[arg(
+        long,
+        env = "DEDUPD_HTTP_PROXY_METHODS",
+        default_value = "POST,PATCH",
+        value_delimiter = ','
+    )]
+    pub http_proxy_methods: Vec<String>,
+    /// Namespace of the proxy's records.
+    #[arg(long, env = "DEDUPD_HTTP_PROXY_NAMESPACE", default_value = "http")]
+    pub http_proxy_namespace: String,
+    /// A request header identifying the caller (e.g. Authorization), hashed
+    /// into every key's scope so two callers' keys never collide.
+    #[arg(long, env = "DEDUPD_HTTP_PROXY_SCOPE_HEADER")]
+    pub http_proxy_scope_header: Option<String>,
+    /// Answer 400 to a deduplicated method without an Idempotency-Key.
+    #[arg(long, env = "DEDUPD_HTTP_PROXY_REQUIRE_KEY")]
+    pub http_proxy_require_key: bool,
+    /// How long a replayable response is kept.
+    #[arg(long, env = "DEDUPD_HTTP_PROXY_RETENTION", default_value = "24h")]
+    pub http_proxy_retention: humantime::Duration,
+    /// The largest response kept for replay (larger ones are returned, and
+    /// a retry is told the result cannot be replayed).
+    #[arg(long, env = "DEDUPD_HTTP_PROXY_MAX_RESPONSE_BYTES", default_value_t = 1 << 20)]
+    pub http_proxy_max_response_bytes: usize,
+    /// The largest body of a keyed request (buffered to fingerprint it).
+    #[arg(long, env = "DEDUPD_HTTP_PROXY_MAX_REQUEST_BYTES", default_value_t = 8 << 20)]
+    pub http_proxy_max_request_bytes: usize,
+    /// The longest the upstream may take to answer a keyed request (then
+    /// 502 and the key is released).
+    #[arg(
+        long,
+        env = "DEDUPD_HTTP_PROXY_UPSTREAM_TIMEOUT",
+        default_value = "60s"
+    )]
+    pub http_proxy_upstream_timeout: humantime::Duration,
+}
+
+impl HttpProxyArgs {
+    /// The proxy's settings, if it is on; the error is one line.
+    fn validate(&self, limits: &Limits) -> Result<Option<(SocketAddr, ProxyConfig)>, String> {
+        let (Some(listen), Some(upstream)) = (self.http_proxy_listen, &self.http_proxy_upstream)
+        else {
+            return Ok(None);
+        };
+        let upstream_uri: http::Uri = upstream
+            .parse()
+            .map_err(|e| format!("--http-proxy-upstream {upstream:?}: {e}"))?;
+        if upstream_uri.scheme_str() != Some("http")
+            || upstream_uri.authority().is_none()
+            || upstream_uri.path() != "/"
+        {
+            return Err(format!(
+                "--http-proxy-upstream {upstream:?} must be http://HOST:PORT (no path; TLS to the upstream is not supported)"
+            ));
+        }
+        let methods = self
+            .http_proxy_methods
+            .iter()
+            .map(|method| {
+                http::Method::from_bytes(method.trim().to_ascii_uppercase().as_bytes())
+                    .map_err(|_| format!("--http-proxy-methods: {method:?} is not an HTTP method"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let scope_header = self
+            .http_proxy_scope_header
+            .as_deref()
+            .map(|name| {
+                http::HeaderName::from_bytes(name.as_bytes())
+                    .map_err(|_| format!("--http-proxy-scope-header {name:?} is not a header name"))
+            })
+            .transpose()?;
+        // The proxy's records follow the same rules as any client's.
+        limits
+            .key(&self.http_proxy_namespace, "probe")
+            .map_err(|e| format!("--http-proxy-namespace: {e}"))?;
+        let retention = check_duration_flag(
+            "http-proxy-retention",
+            self.http_proxy_retention.into(),
+            limits.max_retention,
+        )?;
+        let upstream_timeout = check_duration_flag(
+            "http-proxy-upstream-timeout",
+            self.http_proxy_upstream_timeout.into(),
+            Duration::from_secs(3600),
+        )?;
+        Ok(Some((
+            listen,
+            ProxyConfig {
+                upstream: upstream_uri,
+                namespace: self.http_proxy_namespace.clone(),
+                methods,
+                scope_header,
+                require_key: self.http_proxy_require_key,
+                lease_ttl: limits.default_lease_ttl,
+                retention,
+                max_response_bytes: self.http_proxy_max_response_bytes,
+                max_request_bytes: self.http_proxy_max_request_bytes,
+                upstream_timeout,
+            },
+        )))
+    }
 }
 
 /// The store to open.
@@ -351,6 +494,8 @@ pub struct Settings {
     pub log_filter: tracing_subscriber::EnvFilter,
     /// Tokio worker threads (0: one per CPU).
     pub worker_threads: usize,
+    /// The HTTP idempotency proxy's address and settings, when it is on.
+    pub http_proxy: Option<(SocketAddr, ProxyConfig)>,
 }
 
 fn parse_namespace_retention(text: &str) -> Result<(String, Duration), String> {
@@ -593,19 +738,21 @@ impl ServeArgs {
         self.check_exposure(&auth, tls.as_ref())?;
         let log_filter = tracing_subscriber::EnvFilter::try_new(&self.log)
             .map_err(|e| format!("--log {:?} is not a valid filter: {e}", self.log))?;
+        let limits = Limits {
+            default_lease_ttl,
+            max_lease_ttl,
+            default_retention,
+            max_retention,
+            namespace_retention: self.namespace_retention.iter().cloned().collect(),
+            max_response_bytes: self.max_response_bytes,
+            max_batch_size: self.max_batch_size,
+        };
+        let http_proxy = self.http_proxy.validate(&limits)?;
         Ok(Settings {
             listen: self.listen.clone(),
             metrics_listen,
             store,
-            limits: Limits {
-                default_lease_ttl,
-                max_lease_ttl,
-                default_retention,
-                max_retention,
-                namespace_retention: self.namespace_retention.iter().cloned().collect(),
-                max_response_bytes: self.max_response_bytes,
-                max_batch_size: self.max_batch_size,
-            },
+            limits,
             auth,
             tls,
             max_concurrent_requests: self.max_concurrent_requests,
@@ -624,6 +771,7 @@ impl ServeArgs {
             log_format: self.log_format,
             log_filter,
             worker_threads: self.worker_threads,
+            http_proxy,
         })
     }
 

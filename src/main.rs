@@ -47,9 +47,10 @@ fn main() -> ExitCode {
                 let _ = error.print();
                 return ExitCode::SUCCESS;
             }
-            let rendered = error.render().to_string();
-            let line = rendered.lines().next().unwrap_or("invalid arguments");
-            eprintln!("dedupd: {line} (see dedupd --help)");
+            eprintln!(
+                "dedupd: {} (see dedupd --help)",
+                dedupd::config::one_line_error(&error)
+            );
             return ExitCode::from(EXIT_CONFIG);
         }
     };
@@ -130,7 +131,21 @@ async fn serve_on<S: Store>(store: Arc<S>, settings: &Settings, server: ServerCo
             }
         },
     };
-    let listeners = Listeners { grpc, ops };
+    let http_proxy = match &settings.http_proxy {
+        None => None,
+        Some((address, proxy_config)) => match TcpListener::bind(address).await {
+            Ok(listener) => Some((listener, proxy_config.clone())),
+            Err(error) => {
+                tracing::error!(%error, listen = %address, "cannot listen for the HTTP proxy");
+                return ExitCode::FAILURE;
+            }
+        },
+    };
+    let listeners = Listeners {
+        grpc,
+        ops,
+        http_proxy,
+    };
     match dedupd::run(listeners, store, server, shutdown_signal()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(_) => ExitCode::FAILURE,

@@ -34,6 +34,7 @@ use crate::{
         v1::claim_and_commit_server::{ClaimAndCommitServer, SERVICE_NAME},
         FILE_DESCRIPTOR_SET,
     },
+    proxy::{self, server::ProxyConfig},
     service::DedupService,
     store::Store,
 };
@@ -149,6 +150,8 @@ pub struct Listeners {
     pub grpc: Vec<Listener>,
     /// The ops HTTP listener (`/metrics`, `/healthz`, `/readyz`), if any.
     pub ops: Option<TcpListener>,
+    /// The HTTP idempotency proxy's listener and settings, if it is on.
+    pub http_proxy: Option<(TcpListener, ProxyConfig)>,
 }
 
 impl From<TcpListener> for Listeners {
@@ -156,6 +159,7 @@ impl From<TcpListener> for Listeners {
         Listeners {
             grpc: vec![Listener::Tcp(listener)],
             ops: None,
+            http_proxy: None,
         }
     }
 }
@@ -292,6 +296,22 @@ pub async fn run<S: Store>(
         });
     }
 
+    if let Some((listener, proxy_config)) = listeners.http_proxy {
+        match listener.local_addr() {
+            Ok(address) => {
+                tracing::info!(%address, upstream = %proxy_config.upstream, "HTTP idempotency proxy serving");
+                announced.http_proxy = Some(address.to_string());
+            }
+            Err(error) => tracing::warn!(%error, "HTTP proxy serving on an unknown address"),
+        }
+        let (engine, signal) = (engine.clone(), stopped());
+        servers.spawn(async move {
+            proxy::server::serve(listener, engine, proxy_config, signal)
+                .await
+                .map_err(|e| Error::Server(format!("HTTP proxy: {e}")))
+        });
+    }
+
     let _ready_file =
         match &config.ready_file {
             Some(path) => Some(announced.write(path).map_err(|error| {
@@ -379,6 +399,7 @@ pub async fn run<S: Store>(
 struct ReadyAnnouncement {
     grpc: Vec<String>,
     metrics: Option<String>,
+    http_proxy: Option<String>,
 }
 
 impl ReadyAnnouncement {
@@ -389,6 +410,7 @@ impl ReadyAnnouncement {
             "pid": std::process::id(),
             "grpc": self.grpc,
             "metrics": self.metrics,
+            "http_proxy": self.http_proxy,
         })
         .to_string();
         let mut partial = path.as_os_str().to_owned();

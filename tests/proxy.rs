@@ -1,6 +1,9 @@
-//! The HTTP idempotency proxy (library level; `dedupd http-proxy` is not
-//! wired yet): a real upstream that counts its calls, the proxy on the
-//! sled store, real HTTP/1.1 and HTTP/2 clients.
+//! The HTTP idempotency proxy: a real upstream that counts its calls, the
+//! proxy on the sled store, real HTTP/1.1 and HTTP/2 clients; and the
+//! `dedupd` binary with `--http-proxy-listen`, killed with SIGKILL between
+//! a request and its retry.
+
+mod common;
 
 use std::{convert::Infallible, net::SocketAddr, sync::Arc, time::Duration};
 
@@ -442,4 +445,103 @@ async fn a_client_that_disconnects_still_gets_its_result_committed() {
     let replay = replay.expect("the abandoned request was committed");
     assert!(replayed(&replay));
     assert_eq!(upstream.calls.get("/orders"), 1);
+}
+
+/// The record survives the sidecar: a request answered, the binary killed
+/// with SIGKILL, restarted on the same data, and the retry is a replay.
+#[tokio::test]
+async fn the_record_survives_a_kill_9_between_request_and_retry() {
+    let upstream = upstream().await;
+    let data = tempfile::tempdir().unwrap();
+    let upstream_url = format!("http://{}", upstream.address);
+    let flags = [
+        "--http-proxy-listen",
+        "127.0.0.1:0",
+        "--http-proxy-upstream",
+        upstream_url.as_str(),
+    ];
+    let proxy_address = |sidecar: &common::sidecar::Sidecar| -> SocketAddr {
+        sidecar.ready["http_proxy"]
+            .as_str()
+            .and_then(|address| address.parse().ok())
+            .unwrap_or_else(|| panic!("no proxy address in {}", sidecar.ready))
+    };
+    let sidecar = common::sidecar::Sidecar::start_with(data.path(), &flags);
+    let first = send(
+        proxy_address(&sidecar),
+        Method::POST,
+        "/orders",
+        Some("\"k9\""),
+        None,
+        "{}",
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    sidecar.kill_9();
+
+    let sidecar = common::sidecar::Sidecar::start_with(data.path(), &flags);
+    let retry = send(
+        proxy_address(&sidecar),
+        Method::POST,
+        "/orders",
+        Some("\"k9\""),
+        None,
+        "{}",
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(replayed(&retry), "{:?}", retry.headers);
+    assert_eq!(retry.body, first.body);
+    assert_eq!(upstream.calls.get("/orders"), 1);
+}
+
+#[test]
+fn bad_proxy_flags_exit_64_with_one_line() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["--http-proxy-listen", "127.0.0.1:0"],
+            "http-proxy-upstream",
+        ),
+        (
+            &[
+                "--http-proxy-listen",
+                "127.0.0.1:0",
+                "--http-proxy-upstream",
+                "https://x:1",
+            ],
+            "http://HOST:PORT",
+        ),
+        (
+            &[
+                "--http-proxy-listen",
+                "127.0.0.1:0",
+                "--http-proxy-upstream",
+                "http://127.0.0.1:1",
+                "--http-proxy-methods",
+                "PO ST",
+            ],
+            "not an HTTP method",
+        ),
+        (
+            &[
+                "--http-proxy-listen",
+                "127.0.0.1:0",
+                "--http-proxy-upstream",
+                "http://127.0.0.1:1",
+                "--http-proxy-retention",
+                "900days",
+            ],
+            "http-proxy-retention",
+        ),
+    ];
+    for (flags, expected) in cases {
+        let output = std::process::Command::new(common::sidecar::BINARY)
+            .args(*flags)
+            .output()
+            .unwrap();
+        assert_eq!(output.status.code(), Some(64), "{flags:?}");
+        let stderr = String::from_utf8(output.stderr).unwrap();
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(stderr.contains(expected), "{flags:?}: {stderr}");
+    }
 }

@@ -15,7 +15,7 @@ use json_patch::{jsonptr::PointerBuf, AddOperation, Patch, PatchOperation};
 use k8s_openapi::api::core::v1::{Container, Pod};
 use serde_json::{json, Value};
 
-use crate::config::Cli;
+use crate::config::{one_line_error, Cli};
 
 /// The label that selects a pod for injection (the webhook's
 /// `objectSelector` matches it, so no other pod reaches the injector).
@@ -544,19 +544,7 @@ fn check_flags(flags: &[(&str, String)]) -> Result<(), String> {
         args.push(format!("--{flag}"));
         args.push(value.clone());
     }
-    let cli = Cli::try_parse_from(&args).map_err(|error| {
-        // clap's message and its "[possible values: …]" line, on one line.
-        error
-            .render()
-            .to_string()
-            .lines()
-            .map(str::trim)
-            .filter(|line| !line.is_empty() && !line.starts_with("For more information"))
-            .collect::<Vec<_>>()
-            .join(" ")
-            .trim_start_matches("error: ")
-            .to_owned()
-    })?;
+    let cli = Cli::try_parse_from(&args).map_err(|error| one_line_error(&error))?;
     cli.serve.validate().map(drop)
 }
 

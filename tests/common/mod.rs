@@ -171,6 +171,7 @@ impl Builder {
         let listeners = Listeners {
             grpc,
             ops: ops_listener,
+            http_proxy: None,
         };
         let (shutdown, stop) = oneshot::channel::<()>();
         let task = tokio::spawn(dedupd::run(listeners, Arc::clone(&store), config, async {

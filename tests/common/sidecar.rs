@@ -20,6 +20,8 @@ pub struct Sidecar {
     pub addr: SocketAddr,
     log: Arc<Mutex<Vec<String>>>,
     pub ready_dir: tempfile::TempDir,
+    /// What the ready file said (its addresses).
+    pub ready: Value,
 }
 
 impl Sidecar {
@@ -85,6 +87,7 @@ impl Sidecar {
             addr,
             log,
             ready_dir,
+            ready,
         }
     }
 
