@@ -545,3 +545,62 @@ fn bad_proxy_flags_exit_64_with_one_line() {
         assert!(stderr.contains(expected), "{flags:?}: {stderr}");
     }
 }
+
+/// An HTTP/1.0 upstream (Python's http.server, say): the client still gets
+/// an HTTP/1.1 answer on its keep-alive connection, first and replayed.
+#[tokio::test]
+async fn an_http_1_0_upstream_is_answered_in_the_clients_version() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let mut request = Vec::new();
+                let mut buffer = [0u8; 4096];
+                // Headers, then the 2-byte body the tests send.
+                while !request.windows(4).any(|w| w == b"\r\n\r\n") || !request.ends_with(b"{}") {
+                    let read = stream.read(&mut buffer).await.unwrap();
+                    if read == 0 {
+                        return;
+                    }
+                    request.extend_from_slice(&buffer[..read]);
+                }
+                let _ = stream
+                    .write_all(b"HTTP/1.0 201 Created\r\ncontent-type: application/json\r\ncontent-length: 8\r\n\r\n{\"id\":1}")
+                    .await;
+            });
+        }
+    });
+    let upstream = Upstream {
+        address,
+        calls: Arc::new(counts::Counts::default()),
+    };
+    let proxy = proxy(&upstream, false).await;
+    let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .build_http::<Full<Bytes>>();
+    for replay in [false, true] {
+        let request = Request::post(format!("http://{}/orders", proxy.address))
+            .header("idempotency-key", "\"v10\"")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap();
+        let response = client.request(request).await.unwrap();
+        if response.status() != StatusCode::CREATED {
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            panic!("replay {replay}: {}", String::from_utf8_lossy(&body));
+        }
+        assert_eq!(
+            response.version(),
+            http::Version::HTTP_11,
+            "replay: {replay}"
+        );
+        assert_eq!(
+            response.headers().contains_key("idempotent-replayed"),
+            replay
+        );
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"{\"id\":1}");
+    }
+}

@@ -32,6 +32,9 @@ pub const REPLAYED: &str = "idempotent-replayed";
 /// The header telling when a replayable key expires (an HTTP date).
 pub const EXPIRES: &str = "idempotency-key-expires";
 
+/// The longest `Retry-After` suggested while a key's first request runs.
+const IN_FLIGHT_RETRY: Duration = Duration::from_secs(1);
+
 /// How the proxy treats requests.
 #[derive(Debug, Clone)]
 pub struct ProxyConfig {
@@ -153,7 +156,7 @@ impl<S: Store> Proxy<S> {
     /// Forwards the request as it is, streaming both ways.
     async fn pass_through(&self, request: Request<ProxyBody>) -> Response<ProxyBody> {
         match self.forward(request).await {
-            Ok(response) => response.map(|body| body.boxed()),
+            Ok(response) => client_response(response.map(|body| body.boxed())),
             Err(error) => upstream_unreachable(&error),
         }
     }
@@ -225,7 +228,7 @@ impl<S: Store> Proxy<S> {
         };
         match outcome {
             ClaimOutcome::Claimed { record, .. } => {
-                let request = Request::from_parts(parts, Full::new(body).map_err(|never| match never {}).boxed());
+                let request = Request::from_parts(parts, full(body));
                 // Detached: a client that disconnects does not stop the
                 // upstream call or its commit; its retry gets the replay.
                 let proxy = Arc::clone(&self);
@@ -246,7 +249,9 @@ impl<S: Store> Proxy<S> {
                     "request-in-progress",
                     "a request with this Idempotency-Key is still being processed; retry later",
                 );
-                let seconds = retry_after.as_secs_f64().ceil().max(1.0) as u64;
+                // The lease's end is the worst case; the first request
+                // usually finishes much sooner, so suggest a short wait.
+                let seconds = retry_after.min(IN_FLIGHT_RETRY).as_secs().max(1);
                 response
                     .headers_mut()
                     .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
@@ -316,17 +321,11 @@ impl<S: Store> Proxy<S> {
                 if let Err(error) = self.engine.commit(&commit).await {
                     tracing::warn!(%error, "commit of a proxied response failed; a retry runs again");
                 }
-                Response::from_parts(
-                    parts,
-                    Full::new(body).map_err(|never| match never {}).boxed(),
-                )
+                client_response(Response::from_parts(parts, full(body)))
             }
             Ok((parts, body)) => {
                 self.release(key, token).await;
-                Response::from_parts(
-                    parts,
-                    Full::new(body).map_err(|never| match never {}).boxed(),
-                )
+                client_response(Response::from_parts(parts, full(body)))
             }
             Err(problem) => {
                 self.release(key, token).await;
@@ -366,11 +365,7 @@ fn replay(stored: &[u8], retain_until_ms: u64) -> Response<ProxyBody> {
             "this Idempotency-Key's request was processed, but its response was too large to keep and cannot be replayed",
         );
     };
-    let mut response = Response::new(
-        Full::new(Bytes::from(body))
-            .map_err(|never| match never {})
-            .boxed(),
-    );
+    let mut response = Response::new(full(body));
     *response.status_mut() = stored.status;
     for (name, value) in stored.headers {
         response.headers_mut().append(name, value);
@@ -382,6 +377,21 @@ fn replay(stored: &[u8], retain_until_ms: u64) -> Response<ProxyBody> {
     if let Ok(value) = HeaderValue::from_str(&httpdate::fmt_http_date(expires)) {
         response.headers_mut().insert(EXPIRES, value);
     }
+    response
+}
+
+fn full(body: impl Into<Bytes>) -> ProxyBody {
+    Full::new(body.into())
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+/// The upstream's response as the client's: hyper writes an HTTP/1 status
+/// line with the response's version, and the upstream's (say HTTP/1.0) is
+/// not the client connection's; connection headers are the proxy's own.
+fn client_response(mut response: Response<ProxyBody>) -> Response<ProxyBody> {
+    *response.version_mut() = http::Version::default();
+    strip_hop_by_hop(response.headers_mut());
     response
 }
 
@@ -401,11 +411,7 @@ fn problem_response(status: StatusCode, kind: &str, detail: &str) -> Response<Pr
         "status": status.as_u16(),
         "detail": detail,
     });
-    let mut response = Response::new(
-        Full::new(Bytes::from(body.to_string()))
-            .map_err(|never| match never {})
-            .boxed(),
-    );
+    let mut response = Response::new(full(body.to_string()));
     *response.status_mut() = status;
     response.headers_mut().insert(
         header::CONTENT_TYPE,
