@@ -99,23 +99,28 @@ struct Proxy {
 }
 
 async fn proxy(upstream: &Upstream, require_key: bool) -> Proxy {
+    proxy_with(upstream, |config| config.require_key = require_key).await
+}
+
+async fn proxy_with(upstream: &Upstream, adjust: impl FnOnce(&mut ProxyConfig)) -> Proxy {
     let dir = tempfile::tempdir().unwrap();
     let store = SledStore::open(&SledConfig::new(dir.path().join("data"))).unwrap();
     let engine = Engine::new(Arc::new(store), Arc::new(SystemClock));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
-    let config = ProxyConfig {
+    let mut config = ProxyConfig {
         upstream: format!("http://{}", upstream.address).parse().unwrap(),
         namespace: "http".into(),
         methods: vec![Method::POST, Method::PATCH],
         scope_header: Some(http::header::AUTHORIZATION),
-        require_key,
+        require_key: false,
         lease_ttl: Duration::from_secs(5),
         retention: Duration::from_secs(3600),
         max_response_bytes: 64 << 10,
         max_request_bytes: 1 << 20,
         upstream_timeout: Duration::from_secs(10),
     };
+    adjust(&mut config);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(serve(listener, engine, config, async {
         let _ = stopped.await;
@@ -603,4 +608,41 @@ async fn an_http_1_0_upstream_is_answered_in_the_clients_version() {
         let body = response.into_body().collect().await.unwrap().to_bytes();
         assert_eq!(&body[..], b"{\"id\":1}");
     }
+}
+
+/// A response over the size kept for replay still reaches the client; the
+/// key is committed, and a retry is told the result cannot be replayed
+/// (never runs the request again).
+#[tokio::test]
+async fn a_response_too_large_to_keep_is_answered_once_and_not_replayed() {
+    let upstream = upstream().await;
+    let proxy = proxy_with(&upstream, |config| config.max_response_bytes = 8).await;
+    let body = r#"{"a long":"body of more than eight bytes"}"#;
+    let first = send(
+        proxy.address,
+        Method::POST,
+        "/echo",
+        Some("\"big\""),
+        None,
+        body,
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(first.body, body);
+    let retry = send(
+        proxy.address,
+        Method::POST,
+        "/echo",
+        Some("\"big\""),
+        None,
+        body,
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::CONFLICT);
+    assert!(
+        retry.body.contains("response-not-replayable"),
+        "{}",
+        retry.body
+    );
+    assert_eq!(upstream.calls.get("/echo"), 1);
 }
