@@ -646,3 +646,105 @@ async fn a_response_too_large_to_keep_is_answered_once_and_not_replayed() {
     );
     assert_eq!(upstream.calls.get("/echo"), 1);
 }
+
+/// gRPC unary calls carrying `idempotency-key` metadata: the answer —
+/// message and trailers, or an error status — is replayed without calling
+/// the service again; another request under the same key is
+/// INVALID_ARGUMENT. The service here is a real dedupd.
+#[tokio::test]
+async fn grpc_unary_calls_are_replayed_with_their_status() {
+    use dedupd::proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient};
+    let service = common::TestServer::start().await;
+    let upstream = Upstream {
+        address: service.addr,
+        calls: Arc::new(counts::Counts::default()),
+    };
+    let proxy = proxy(&upstream, false).await;
+    let channel = tonic::transport::Channel::from_shared(format!("http://{}", proxy.address))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = ClaimAndCommitClient::new(channel);
+    fn keyed<T>(message: T, key: &str) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        request
+            .metadata_mut()
+            .insert("idempotency-key", key.parse().unwrap());
+        request
+    }
+
+    let first = client
+        .claim(keyed(common::claim_request("grpc-1"), "claim-1"))
+        .await
+        .unwrap();
+    assert!(!first.metadata().contains_key("idempotent-replayed"));
+    let first = first.into_inner();
+    assert_eq!(common::outcome(&first), pb::ClaimOutcome::Claimed);
+    let replay = client
+        .claim(keyed(common::claim_request("grpc-1"), "claim-1"))
+        .await
+        .unwrap();
+    assert_eq!(
+        replay.metadata().get("idempotent-replayed").unwrap(),
+        "true"
+    );
+    assert_eq!(
+        replay.into_inner(),
+        first,
+        "the same answer, lease token and all"
+    );
+    // The service saw one Claim: called directly, the key is still held.
+    let direct = service
+        .client()
+        .await
+        .claim(common::claim_request("grpc-1"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(common::outcome(&direct), pb::ClaimOutcome::InProgress);
+
+    // An error the request itself caused is kept and replayed, status,
+    // message and details.
+    let wrong_token = common::commit_request("grpc-1", &"0".repeat(32));
+    let refused = client
+        .commit(keyed(wrong_token.clone(), "commit-1"))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+    let replayed_refusal = client
+        .commit(keyed(wrong_token, "commit-1"))
+        .await
+        .unwrap_err();
+    assert_eq!(replayed_refusal.code(), tonic::Code::FailedPrecondition);
+    assert_eq!(replayed_refusal.message(), refused.message());
+    assert_eq!(replayed_refusal.details(), refused.details());
+    assert_eq!(
+        replayed_refusal
+            .metadata()
+            .get("idempotent-replayed")
+            .unwrap(),
+        "true"
+    );
+
+    // The same key with another request.
+    let mismatch = client
+        .claim(keyed(common::claim_request("grpc-2"), "claim-1"))
+        .await
+        .unwrap_err();
+    assert_eq!(mismatch.code(), tonic::Code::InvalidArgument);
+    assert!(
+        mismatch.message().contains("different request"),
+        "{}",
+        mismatch.message()
+    );
+
+    // Without a key, calls pass straight through (the service answers
+    // IN_PROGRESS: it holds grpc-1).
+    let passed = client
+        .claim(common::claim_request("grpc-1"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(common::outcome(&passed), pb::ClaimOutcome::InProgress);
+}

@@ -51,6 +51,27 @@ impl IdempotencyKey {
         }
     }
 
+    /// A gRPC `idempotency-key` metadata value: an sf-string as over HTTP,
+    /// or the bare value (metadata is not a structured field), 1 to 255
+    /// visible ASCII characters.
+    pub fn parse_metadata(value: &HeaderValue) -> Result<IdempotencyKey, KeyProblem> {
+        if let Ok(key) = IdempotencyKey::parse(value) {
+            return Ok(key);
+        }
+        let text = value
+            .to_str()
+            .map_err(|_| KeyProblem::NotAString("not visible ASCII".into()))?
+            .trim();
+        match text.len() {
+            0 => Err(KeyProblem::Empty),
+            length if length > MAX_KEY_CHARS => Err(KeyProblem::TooLong(length)),
+            _ if text.starts_with('"') => Err(KeyProblem::NotAString(format!(
+                "{text:?} is an unterminated string"
+            ))),
+            _ => Ok(IdempotencyKey(text.to_owned())),
+        }
+    }
+
     /// The key as the client sent it (without the quotes).
     pub fn as_str(&self) -> &str {
         &self.0
@@ -139,6 +160,16 @@ pub fn is_replayable(status: StatusCode) -> bool {
     kept_class && !retry_later
 }
 
+/// Whether a gRPC answer is kept and replayed, by its `grpc-status`: OK
+/// and the codes that say the request itself was wrong (they would be
+/// wrong again); the ones that say "try again" or "the server failed"
+/// release the key.
+pub fn is_replayable_grpc(code: u32) -> bool {
+    // OK, INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, PERMISSION_DENIED,
+    // FAILED_PRECONDITION, OUT_OF_RANGE, UNAUTHENTICATED.
+    matches!(code, 0 | 3 | 5 | 6 | 7 | 9 | 11 | 16)
+}
+
 /// Headers that describe one connection, not the response (RFC 9110
 /// §7.6.1), plus those the `Connection` header names: never stored.
 pub fn end_to_end(headers: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
@@ -178,6 +209,8 @@ pub struct StoredResponse {
     /// Its body; `None` when it was over `--max-response-bytes` (the key is
     /// committed, the result is not replayable).
     pub body: Option<Vec<u8>>,
+    /// Its trailers (gRPC's `grpc-status` and `grpc-message`), in order.
+    pub trailers: Vec<(HeaderName, HeaderValue)>,
 }
 
 /// Why stored bytes are not a [`StoredResponse`].
@@ -193,11 +226,7 @@ impl StoredResponse {
     pub fn encode(&self) -> Vec<u8> {
         let mut out = vec![FORMAT_VERSION];
         out.extend_from_slice(&self.status.as_u16().to_be_bytes());
-        out.extend_from_slice(&(self.headers.len() as u32).to_be_bytes());
-        for (name, value) in &self.headers {
-            put(&mut out, name.as_str().as_bytes());
-            put(&mut out, value.as_bytes());
-        }
+        put_fields(&mut out, &self.headers);
         match &self.body {
             Some(body) => {
                 out.push(1);
@@ -205,6 +234,7 @@ impl StoredResponse {
             }
             None => out.push(0),
         }
+        put_fields(&mut out, &self.trailers);
         out
     }
 
@@ -216,20 +246,13 @@ impl StoredResponse {
         }
         let status = u16::from_be_bytes(input.take(2)?.try_into().expect("two bytes"));
         let status = StatusCode::from_u16(status).map_err(|_| DecodeError("bad status"))?;
-        let count = u32::from_be_bytes(input.take(4)?.try_into().expect("four bytes"));
-        let mut headers = Vec::new();
-        for _ in 0..count {
-            let name = HeaderName::from_bytes(input.field()?)
-                .map_err(|_| DecodeError("bad header name"))?;
-            let value = HeaderValue::from_bytes(input.field()?)
-                .map_err(|_| DecodeError("bad header value"))?;
-            headers.push((name, value));
-        }
+        let headers = input.fields()?;
         let body = match input.take(1)? {
             [1] => Some(input.field()?.to_vec()),
             [0] => None,
             _ => return Err(DecodeError("bad body marker")),
         };
+        let trailers = input.fields()?;
         if !input.0.is_empty() {
             return Err(DecodeError("trailing bytes"));
         }
@@ -237,7 +260,16 @@ impl StoredResponse {
             status,
             headers,
             body,
+            trailers,
         })
+    }
+}
+
+fn put_fields(out: &mut Vec<u8>, fields: &[(HeaderName, HeaderValue)]) {
+    out.extend_from_slice(&(fields.len() as u32).to_be_bytes());
+    for (name, value) in fields {
+        put(out, name.as_str().as_bytes());
+        put(out, value.as_bytes());
     }
 }
 
@@ -256,6 +288,19 @@ impl<'a> Reader<'a> {
         let (taken, rest) = self.0.split_at(count);
         self.0 = rest;
         Ok(taken)
+    }
+
+    fn fields(&mut self) -> Result<Vec<(HeaderName, HeaderValue)>, DecodeError> {
+        let count = u32::from_be_bytes(self.take(4)?.try_into().expect("four bytes"));
+        let mut fields = Vec::new();
+        for _ in 0..count {
+            let name =
+                HeaderName::from_bytes(self.field()?).map_err(|_| DecodeError("bad field name"))?;
+            let value = HeaderValue::from_bytes(self.field()?)
+                .map_err(|_| DecodeError("bad field value"))?;
+            fields.push((name, value));
+        }
+        Ok(fields)
     }
 
     fn field(&mut self) -> Result<&'a [u8], DecodeError> {
@@ -459,6 +504,29 @@ mod tests {
     }
 
     #[test]
+    fn grpc_answers_are_kept_unless_they_say_try_again_or_server_failure() {
+        for kept in [0, 3, 5, 6, 7, 9, 11, 16] {
+            assert!(is_replayable_grpc(kept), "{kept}");
+        }
+        // CANCELLED, UNKNOWN, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED,
+        // UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS.
+        for released in [1, 2, 4, 8, 10, 12, 13, 14, 15] {
+            assert!(!is_replayable_grpc(released), "{released}");
+        }
+    }
+
+    #[test]
+    fn grpc_metadata_keys_may_be_bare() {
+        let parse =
+            |text: &str| IdempotencyKey::parse_metadata(&HeaderValue::from_str(text).unwrap());
+        assert_eq!(parse("order-1").unwrap().as_str(), "order-1");
+        assert_eq!(parse("\"order-1\"").unwrap().as_str(), "order-1");
+        assert_eq!(parse(""), Err(KeyProblem::Empty));
+        assert!(parse("\"open").is_err());
+        assert_eq!(parse(&"k".repeat(256)), Err(KeyProblem::TooLong(256)));
+    }
+
+    #[test]
     fn hop_by_hop_headers_are_not_stored() {
         let mut headers = HeaderMap::new();
         headers.insert(
@@ -504,6 +572,16 @@ mod tests {
                 (header::SET_COOKIE, HeaderValue::from_static("b=2")),
             ],
             body: Some(br#"{"id":42}"#.to_vec()),
+            trailers: vec![
+                (
+                    HeaderName::from_static("grpc-status"),
+                    HeaderValue::from_static("0"),
+                ),
+                (
+                    HeaderName::from_static("grpc-message"),
+                    HeaderValue::from_static(""),
+                ),
+            ],
         };
         let bytes = response.encode();
         assert_eq!(StoredResponse::decode(&bytes).unwrap(), response);

@@ -1,13 +1,16 @@
 //! The HTTP idempotency proxy: requests with a deduplicated method and an
-//! `Idempotency-Key` go through the engine (claim, forward, commit the
-//! response or release the key); everything else streams straight to the
-//! upstream. HTTP/1.1 and HTTP/2 (prior knowledge) on one listener.
+//! `Idempotency-Key` — and gRPC calls with an `idempotency-key` metadata
+//! entry — go through the engine (claim, forward, commit the response or
+//! release the key); everything else streams straight to the upstream.
+//! HTTP/1.1 and HTTP/2 (prior knowledge) on one listener; the upstream is
+//! called over HTTP/1.1, or HTTP/2 for gRPC.
 
 use std::{convert::Infallible, future::Future, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use http::{header, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Uri};
-use http_body_util::{combinators::BoxBody, BodyExt, Full, Limited};
+use http_body_util::{combinators::BoxBody, BodyExt, Full, Limited, StreamBody};
+use hyper::body::Frame;
 use hyper::body::Incoming;
 use hyper_util::{
     client::legacy::{connect::HttpConnector, Client},
@@ -17,7 +20,8 @@ use serde_json::json;
 use tokio::net::TcpListener;
 
 use super::idempotency::{
-    end_to_end, fingerprint, is_replayable, IdempotencyKey, Scope, StoredResponse,
+    end_to_end, fingerprint, is_replayable, is_replayable_grpc, IdempotencyKey, Scope,
+    StoredResponse,
 };
 use crate::{
     domain::{
@@ -66,7 +70,125 @@ type ProxyBody = BoxBody<Bytes, hyper::Error>;
 struct Proxy<S> {
     engine: Engine<S>,
     config: ProxyConfig,
-    client: Client<HttpConnector, ProxyBody>,
+    /// HTTP/1.1 to the upstream.
+    http1: Client<HttpConnector, ProxyBody>,
+    /// HTTP/2 (prior knowledge) to the upstream, for gRPC.
+    http2: Client<HttpConnector, ProxyBody>,
+}
+
+/// What a request speaks, which decides how the proxy answers it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Protocol {
+    Http,
+    Grpc,
+}
+
+impl Protocol {
+    fn of(headers: &http::HeaderMap) -> Protocol {
+        let grpc = headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|value| value.to_str().ok())
+            .is_some_and(|value| value.starts_with("application/grpc"));
+        if grpc {
+            Protocol::Grpc
+        } else {
+            Protocol::Http
+        }
+    }
+}
+
+/// Every answer the proxy gives itself, instead of the upstream's.
+#[derive(Debug)]
+enum Rejection {
+    InvalidKey(String),
+    MissingKey(Method),
+    RequestTooLarge(usize),
+    InProgress,
+    PayloadMismatch,
+    NotReplayable,
+    StoreUnavailable,
+    UpstreamFailed(String),
+    Internal(&'static str),
+}
+
+impl Rejection {
+    /// As an RFC 9457 problem for HTTP clients, or a trailers-only gRPC
+    /// status for gRPC ones.
+    fn response(self, protocol: Protocol) -> Response<ProxyBody> {
+        use tonic::Code;
+        let (status, kind, code, detail) = match self {
+            Rejection::InvalidKey(problem) => (
+                StatusCode::BAD_REQUEST,
+                "invalid-idempotency-key",
+                Code::InvalidArgument,
+                problem,
+            ),
+            Rejection::MissingKey(method) => (
+                StatusCode::BAD_REQUEST,
+                "missing-idempotency-key",
+                Code::InvalidArgument,
+                format!("{method} requests to this service need an Idempotency-Key header"),
+            ),
+            Rejection::RequestTooLarge(limit) => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "request-too-large",
+                Code::ResourceExhausted,
+                format!("a request with an Idempotency-Key may carry at most {limit} bytes"),
+            ),
+            Rejection::InProgress => (
+                StatusCode::CONFLICT,
+                "request-in-progress",
+                Code::Aborted,
+                "a request with this Idempotency-Key is still being processed; retry later".into(),
+            ),
+            Rejection::PayloadMismatch => (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "idempotency-key-reused",
+                Code::InvalidArgument,
+                "this Idempotency-Key was used with a different request (method, path, query or body)".into(),
+            ),
+            Rejection::NotReplayable => (
+                StatusCode::CONFLICT,
+                "response-not-replayable",
+                Code::FailedPrecondition,
+                "this Idempotency-Key's request was processed, but its response was too large to keep and cannot be replayed".into(),
+            ),
+            Rejection::StoreUnavailable => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store-unavailable",
+                Code::Unavailable,
+                "deduplication is unavailable, so the request was not forwarded; retry later".into(),
+            ),
+            Rejection::UpstreamFailed(problem) => (
+                StatusCode::BAD_GATEWAY,
+                "upstream-failed",
+                Code::Unavailable,
+                problem,
+            ),
+            Rejection::Internal(problem) => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                Code::Internal,
+                problem.into(),
+            ),
+        };
+        let mut response = match protocol {
+            Protocol::Http => problem_response(status, kind, &detail),
+            Protocol::Grpc => grpc_status_response(code, &detail),
+        };
+        let retry_after = match status {
+            StatusCode::CONFLICT if kind == "request-in-progress" => Some(IN_FLIGHT_RETRY),
+            StatusCode::SERVICE_UNAVAILABLE => Some(Duration::from_secs(1)),
+            _ => None,
+        };
+        if let (Some(wait), Protocol::Http) = (retry_after, protocol) {
+            response.headers_mut().insert(
+                header::RETRY_AFTER,
+                HeaderValue::from(wait.as_secs().max(1)),
+            );
+        }
+        response
+    }
 }
 
 /// Serves the proxy on `listener` until `shutdown` resolves.
@@ -78,11 +200,15 @@ pub async fn serve<S: Store>(
 ) -> std::io::Result<()> {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
-    let client = Client::builder(TokioExecutor::new()).build(connector);
+    let http1 = Client::builder(TokioExecutor::new()).build(connector.clone());
+    let http2 = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build(connector);
     let proxy = Arc::new(Proxy {
         engine,
         config,
-        client,
+        http1,
+        http2,
     });
     let connections = tokio_util::task::TaskTracker::new();
     let stopping = tokio_util::sync::CancellationToken::new();
@@ -130,54 +256,77 @@ pub async fn serve<S: Store>(
 
 impl<S: Store> Proxy<S> {
     async fn handle(self: Arc<Self>, request: Request<Incoming>) -> Response<ProxyBody> {
-        let deduplicated = self.config.methods.contains(request.method());
-        let key = request.headers().get("idempotency-key").cloned();
-        match (deduplicated, key) {
-            (true, Some(value)) => match IdempotencyKey::parse(&value) {
-                Ok(key) => self.keyed(request, key).await,
-                Err(problem) => problem_response(
-                    StatusCode::BAD_REQUEST,
-                    "invalid-idempotency-key",
-                    &problem.to_string(),
-                ),
-            },
-            (true, None) if self.config.require_key => problem_response(
-                StatusCode::BAD_REQUEST,
-                "missing-idempotency-key",
-                &format!(
-                    "{} requests to this service need an Idempotency-Key header",
-                    request.method()
-                ),
-            ),
-            _ => self.pass_through(request.map(|body| body.boxed())).await,
+        let protocol = Protocol::of(request.headers());
+        let value = request.headers().get("idempotency-key").cloned();
+        let parsed = match (protocol, value) {
+            (Protocol::Grpc, Some(value)) => Some(IdempotencyKey::parse_metadata(&value)),
+            (Protocol::Http, Some(value)) if self.config.methods.contains(request.method()) => {
+                Some(IdempotencyKey::parse(&value))
+            }
+            (Protocol::Http, None)
+                if self.config.require_key && self.config.methods.contains(request.method()) =>
+            {
+                return Rejection::MissingKey(request.method().clone()).response(protocol);
+            }
+            _ => None,
+        };
+        match parsed {
+            Some(Ok(key)) => self.keyed(request, key, protocol).await,
+            Some(Err(problem)) => Rejection::InvalidKey(problem.to_string()).response(protocol),
+            None => {
+                self.pass_through(request.map(|body| body.boxed()), protocol)
+                    .await
+            }
         }
     }
 
-    /// Forwards the request as it is, streaming both ways.
-    async fn pass_through(&self, request: Request<ProxyBody>) -> Response<ProxyBody> {
-        match self.forward(request).await {
+    /// Forwards the request as it is, streaming both ways (trailers too).
+    async fn pass_through(
+        &self,
+        request: Request<ProxyBody>,
+        protocol: Protocol,
+    ) -> Response<ProxyBody> {
+        match self.forward(request, protocol).await {
             Ok(response) => client_response(response.map(|body| body.boxed())),
-            Err(error) => upstream_unreachable(&error),
+            Err(error) => {
+                tracing::warn!(%error, "upstream unreachable");
+                Rejection::UpstreamFailed("the upstream service did not answer".into())
+                    .response(protocol)
+            }
         }
     }
 
     async fn forward(
         &self,
         mut request: Request<ProxyBody>,
+        protocol: Protocol,
     ) -> Result<Response<Incoming>, hyper_util::client::legacy::Error> {
         let mut parts = self.config.upstream.clone().into_parts();
         parts.path_and_query = request.uri().path_and_query().cloned();
         *request.uri_mut() = Uri::from_parts(parts).expect("upstream URI with the request's path");
-        // The upstream speaks HTTP/1.1 whatever the client spoke.
-        *request.version_mut() = http::Version::HTTP_11;
         strip_hop_by_hop(request.headers_mut());
-        self.client.request(request).await
+        match protocol {
+            Protocol::Http => {
+                *request.version_mut() = http::Version::HTTP_11;
+                self.http1.request(request).await
+            }
+            Protocol::Grpc => {
+                *request.version_mut() = http::Version::HTTP_2;
+                // gRPC servers require it; it is hop-by-hop, so it was
+                // stripped above.
+                request
+                    .headers_mut()
+                    .insert(header::TE, HeaderValue::from_static("trailers"));
+                self.http2.request(request).await
+            }
+        }
     }
 
     async fn keyed(
         self: Arc<Self>,
         request: Request<Incoming>,
         key: IdempotencyKey,
+        protocol: Protocol,
     ) -> Response<ProxyBody> {
         let (parts, body) = request.into_parts();
         let body = match Limited::new(body, self.config.max_request_bytes)
@@ -186,14 +335,7 @@ impl<S: Store> Proxy<S> {
         {
             Ok(collected) => collected.to_bytes(),
             Err(_) => {
-                return problem_response(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "request-too-large",
-                    &format!(
-                        "a request with an Idempotency-Key may carry at most {} bytes",
-                        self.config.max_request_bytes
-                    ),
-                )
+                return Rejection::RequestTooLarge(self.config.max_request_bytes).response(protocol)
             }
         };
         let caller = self
@@ -224,7 +366,10 @@ impl<S: Store> Proxy<S> {
         );
         let outcome = match self.engine.claim(&claim).await {
             Ok(outcome) => outcome,
-            Err(error) => return store_unavailable(&error),
+            Err(error) => {
+                tracing::warn!(%error, "the store did not answer; the request was not forwarded");
+                return Rejection::StoreUnavailable.response(protocol);
+            }
         };
         match outcome {
             ClaimOutcome::Claimed { record, .. } => {
@@ -233,40 +378,30 @@ impl<S: Store> Proxy<S> {
                 // upstream call or its commit; its retry gets the replay.
                 let proxy = Arc::clone(&self);
                 let token = record.lease_token;
-                let run = tokio::spawn(async move { proxy.first_request(record_key, token, request).await });
+                let run = tokio::spawn(async move {
+                    proxy
+                        .first_request(record_key, token, request, protocol)
+                        .await
+                });
                 match run.await {
                     Ok(response) => response,
                     Err(join) => {
                         tracing::error!(%join, "proxy request task failed");
-                        problem_response(StatusCode::INTERNAL_SERVER_ERROR, "internal", "the proxy failed")
+                        Rejection::Internal("the proxy failed").response(protocol)
                     }
                 }
             }
-            ClaimOutcome::Duplicate { record } => replay(&record.response, record.retain_until.0),
-            ClaimOutcome::InProgress { retry_after, .. } => {
-                let mut response = problem_response(
-                    StatusCode::CONFLICT,
-                    "request-in-progress",
-                    "a request with this Idempotency-Key is still being processed; retry later",
-                );
-                // The lease's end is the worst case; the first request
-                // usually finishes much sooner, so suggest a short wait.
-                let seconds = retry_after.min(IN_FLIGHT_RETRY).as_secs().max(1);
-                response
-                    .headers_mut()
-                    .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
-                response
+            ClaimOutcome::Duplicate { record } => {
+                replay(&record.response, record.retain_until.0, protocol)
             }
-            ClaimOutcome::FingerprintMismatch { .. } => problem_response(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "idempotency-key-reused",
-                "this Idempotency-Key was used with a different request (method, path, query or body)",
-            ),
-            ClaimOutcome::Stale { .. } => problem_response(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
-                "an ordering answer for a request without an ordering key",
-            ),
+            ClaimOutcome::InProgress { .. } => Rejection::InProgress.response(protocol),
+            ClaimOutcome::FingerprintMismatch { .. } => {
+                Rejection::PayloadMismatch.response(protocol)
+            }
+            ClaimOutcome::Stale { .. } => {
+                Rejection::Internal("an ordering answer for a request without an ordering key")
+                    .response(protocol)
+            }
         }
     }
 
@@ -277,6 +412,7 @@ impl<S: Store> Proxy<S> {
         key: Key,
         token: LeaseToken,
         request: Request<ProxyBody>,
+        protocol: Protocol,
     ) -> Response<ProxyBody> {
         let renewals = {
             let proxy = Arc::clone(&self);
@@ -297,42 +433,58 @@ impl<S: Store> Proxy<S> {
             })
         };
         let answered = tokio::time::timeout(self.config.upstream_timeout, async {
-            let response = self.forward(request).await.map_err(|e| e.to_string())?;
+            let response = self
+                .forward(request, protocol)
+                .await
+                .map_err(|e| e.to_string())?;
             let (parts, body) = response.into_parts();
-            let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
-            Ok::<_, String>((parts, body))
+            let collected = body.collect().await.map_err(|e| e.to_string())?;
+            let trailers = collected.trailers().cloned();
+            Ok::<_, String>((parts, collected.to_bytes(), trailers))
         })
         .await
         .unwrap_or_else(|_| Err("the upstream did not answer in time".into()));
         renewals.abort();
-        match answered {
-            Ok((parts, body)) if is_replayable(parts.status) => {
-                let stored = StoredResponse {
-                    status: parts.status,
-                    headers: end_to_end(&parts.headers),
-                    body: (body.len() <= self.config.max_response_bytes).then(|| body.to_vec()),
-                };
-                let commit = CommitRequest {
-                    key,
-                    lease_token: token,
-                    response: stored.encode(),
-                    retention: None,
-                };
-                if let Err(error) = self.engine.commit(&commit).await {
-                    tracing::warn!(%error, "commit of a proxied response failed; a retry runs again");
-                }
-                client_response(Response::from_parts(parts, full(body)))
-            }
-            Ok((parts, body)) => {
-                self.release(key, token).await;
-                client_response(Response::from_parts(parts, full(body)))
-            }
+        let (parts, body, trailers) = match answered {
+            Ok(answered) => answered,
             Err(problem) => {
                 self.release(key, token).await;
                 tracing::warn!(%problem, "upstream failed; key released");
-                problem_response(StatusCode::BAD_GATEWAY, "upstream-failed", &problem)
+                return Rejection::UpstreamFailed(problem).response(protocol);
             }
+        };
+        let replayable = match protocol {
+            Protocol::Http => is_replayable(parts.status),
+            // A unary call answers one message; a streaming one is passed
+            // on but not kept.
+            Protocol::Grpc => {
+                grpc_status(&parts.headers, trailers.as_ref()).is_some_and(is_replayable_grpc)
+                    && grpc_messages(&body) <= 1
+            }
+        };
+        if replayable {
+            let stored = StoredResponse {
+                status: parts.status,
+                headers: end_to_end(&parts.headers),
+                body: (body.len() <= self.config.max_response_bytes).then(|| body.to_vec()),
+                trailers: trailers.as_ref().map(end_to_end).unwrap_or_default(),
+            };
+            let commit = CommitRequest {
+                key,
+                lease_token: token,
+                response: stored.encode(),
+                retention: None,
+            };
+            if let Err(error) = self.engine.commit(&commit).await {
+                tracing::warn!(%error, "commit of a proxied response failed; a retry runs again");
+            }
+        } else {
+            self.release(key, token).await;
         }
+        client_response(Response::from_parts(
+            parts,
+            body_with_trailers(body, trailers),
+        ))
     }
 
     async fn release(&self, key: Key, token: LeaseToken) {
@@ -346,26 +498,25 @@ impl<S: Store> Proxy<S> {
     }
 }
 
-fn replay(stored: &[u8], retain_until_ms: u64) -> Response<ProxyBody> {
+fn replay(stored: &[u8], retain_until_ms: u64, protocol: Protocol) -> Response<ProxyBody> {
     let stored = match StoredResponse::decode(stored) {
         Ok(stored) => stored,
         Err(error) => {
             tracing::error!(%error, "a stored response does not decode");
-            return problem_response(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
-                "the stored response is damaged",
-            );
+            return Rejection::Internal("the stored response is damaged").response(protocol);
         }
     };
     let Some(body) = stored.body else {
-        return problem_response(
-            StatusCode::CONFLICT,
-            "response-not-replayable",
-            "this Idempotency-Key's request was processed, but its response was too large to keep and cannot be replayed",
-        );
+        return Rejection::NotReplayable.response(protocol);
     };
-    let mut response = Response::new(full(body));
+    let trailers = (!stored.trailers.is_empty()).then(|| {
+        let mut map = http::HeaderMap::new();
+        for (name, value) in stored.trailers {
+            map.append(name, value);
+        }
+        map
+    });
+    let mut response = Response::new(body_with_trailers(Bytes::from(body), trailers));
     *response.status_mut() = stored.status;
     for (name, value) in stored.headers {
         response.headers_mut().append(name, value);
@@ -380,10 +531,41 @@ fn replay(stored: &[u8], retain_until_ms: u64) -> Response<ProxyBody> {
     response
 }
 
+/// `grpc-status` from the trailers, or the headers of a trailers-only
+/// answer.
+fn grpc_status(headers: &http::HeaderMap, trailers: Option<&http::HeaderMap>) -> Option<u32> {
+    trailers
+        .and_then(|trailers| trailers.get("grpc-status"))
+        .or_else(|| headers.get("grpc-status"))
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse().ok())
+}
+
+/// How many length-prefixed gRPC messages `body` holds.
+fn grpc_messages(body: &[u8]) -> usize {
+    let mut rest = body;
+    let mut count = 0;
+    while rest.len() >= 5 {
+        let length = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
+        rest = rest.get(5 + length..).unwrap_or_default();
+        count += 1;
+    }
+    count
+}
+
 fn full(body: impl Into<Bytes>) -> ProxyBody {
     Full::new(body.into())
         .map_err(|never| match never {})
         .boxed()
+}
+
+/// A body of `data`, then `trailers` if any.
+fn body_with_trailers(data: Bytes, trailers: Option<http::HeaderMap>) -> ProxyBody {
+    let Some(trailers) = trailers else {
+        return full(data);
+    };
+    let frames = [Ok(Frame::data(data)), Ok(Frame::trailers(trailers))];
+    StreamBody::new(futures_util::stream::iter(frames)).boxed()
 }
 
 /// The upstream's response as the client's: hyper writes an HTTP/1 status
@@ -420,24 +602,25 @@ fn problem_response(status: StatusCode, kind: &str, detail: &str) -> Response<Pr
     response
 }
 
-fn upstream_unreachable(error: &hyper_util::client::legacy::Error) -> Response<ProxyBody> {
-    tracing::warn!(%error, "upstream unreachable");
-    problem_response(
-        StatusCode::BAD_GATEWAY,
-        "upstream-unreachable",
-        "the upstream service did not answer",
-    )
-}
-
-fn store_unavailable(error: &crate::Error) -> Response<ProxyBody> {
-    tracing::warn!(%error, "the store did not answer; the request was not forwarded");
-    let mut response = problem_response(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "store-unavailable",
-        "deduplication is unavailable, so the request was not forwarded; retry later",
+/// A trailers-only gRPC answer: HTTP 200, the status in the headers.
+fn grpc_status_response(code: tonic::Code, message: &str) -> Response<ProxyBody> {
+    let mut response = Response::new(full(Bytes::new()));
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/grpc"),
     );
-    response
-        .headers_mut()
-        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    headers.insert("grpc-status", HeaderValue::from(code as i32));
+    // grpc-message is percent-encoded; ours are plain ASCII sentences.
+    let encoded: String = message
+        .bytes()
+        .map(|byte| match byte {
+            b' '..=b'~' if byte != b'%' => (byte as char).to_string(),
+            _ => format!("%{byte:02X}"),
+        })
+        .collect();
+    if let Ok(value) = HeaderValue::from_str(&encoded) {
+        headers.insert("grpc-message", value);
+    }
     response
 }
