@@ -33,6 +33,11 @@ struct LocalTierLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProxyLabels {
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RpcLabels {
     rpc: &'static str,
 }
@@ -54,6 +59,8 @@ pub struct Metrics {
     reaped: Counter,
     reaper_passes: Counter,
     local_tier: Family<LocalTierLabels, Counter>,
+    proxy_requests: Family<ProxyLabels, Counter>,
+    proxy_added_seconds: Histogram,
     namespaces: Mutex<HashSet<String>>,
 }
 
@@ -139,6 +146,18 @@ impl Metrics {
             "Calls the local tier answered (result=hit) or sent on to the shared store (result=miss)",
             local_tier.clone(),
         );
+        let proxy_requests = Family::<ProxyLabels, Counter>::default();
+        registry.register(
+            "http_proxy_requests",
+            "Requests the HTTP idempotency proxy answered, by result (passed_through, forwarded, replayed, released, in_progress, mismatch, invalid_key, missing_key, not_replayable, too_large, store_unavailable, upstream_failed)",
+            proxy_requests.clone(),
+        );
+        let proxy_added_seconds = latency_histogram();
+        registry.register(
+            "http_proxy_added_seconds",
+            "Time the HTTP proxy added to a keyed request, the upstream's own time excluded",
+            proxy_added_seconds.clone(),
+        );
         Metrics {
             registry,
             outcomes,
@@ -150,8 +169,25 @@ impl Metrics {
             reaped,
             reaper_passes,
             local_tier,
+            proxy_requests,
+            proxy_added_seconds,
             namespaces: Mutex::new(HashSet::new()),
         }
+    }
+
+    /// Counts one request the HTTP proxy answered, by what became of it
+    /// (`passed_through`, `forwarded`, `replayed`, `released`,
+    /// `in_progress`, `mismatch`, `invalid_key`, `missing_key`, ...).
+    pub fn proxy_request(&self, result: &'static str) {
+        self.proxy_requests
+            .get_or_create(&ProxyLabels { result })
+            .inc();
+    }
+
+    /// Records the time the proxy added to one keyed request (its own work
+    /// and the store's, not the upstream's).
+    pub fn proxy_added(&self, added: Duration) {
+        self.proxy_added_seconds.observe(added.as_secs_f64());
     }
 
     /// Counts one answer in `namespace`.

@@ -94,6 +94,7 @@ async fn upstream() -> Upstream {
 
 struct Proxy {
     address: SocketAddr,
+    metrics: Arc<dedupd::Metrics>,
     _dir: tempfile::TempDir,
     _stop: tokio::sync::oneshot::Sender<()>,
 }
@@ -106,6 +107,7 @@ async fn proxy_with(upstream: &Upstream, adjust: impl FnOnce(&mut ProxyConfig)) 
     let dir = tempfile::tempdir().unwrap();
     let store = SledStore::open(&SledConfig::new(dir.path().join("data"))).unwrap();
     let engine = Engine::new(Arc::new(store), Arc::new(SystemClock));
+    let metrics = Arc::clone(engine.metrics());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
     let mut config = ProxyConfig {
@@ -127,6 +129,7 @@ async fn proxy_with(upstream: &Upstream, adjust: impl FnOnce(&mut ProxyConfig)) 
     }));
     Proxy {
         address,
+        metrics,
         _dir: dir,
         _stop: stop,
     }
@@ -336,6 +339,16 @@ async fn a_server_error_releases_the_key_so_the_retry_runs_again() {
     .await;
     assert!(replayed(&again));
     assert_eq!(again.body, "{\"call\":2}");
+
+    let text = proxy.metrics.render();
+    for (result, count) in [("released", 1), ("forwarded", 1), ("replayed", 1)] {
+        let line = format!("dedupd_http_proxy_requests_total{{result=\"{result}\"}} {count}");
+        assert!(text.contains(&line), "no {line:?} in\n{text}");
+    }
+    assert!(
+        text.contains("dedupd_http_proxy_added_seconds_count 3"),
+        "{text}"
+    );
 }
 
 #[tokio::test]

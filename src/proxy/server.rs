@@ -112,6 +112,21 @@ enum Rejection {
 }
 
 impl Rejection {
+    /// The metrics label.
+    fn result(&self) -> &'static str {
+        match self {
+            Rejection::InvalidKey(_) => "invalid_key",
+            Rejection::MissingKey(_) => "missing_key",
+            Rejection::RequestTooLarge(_) => "too_large",
+            Rejection::InProgress => "in_progress",
+            Rejection::PayloadMismatch => "mismatch",
+            Rejection::NotReplayable => "not_replayable",
+            Rejection::StoreUnavailable => "store_unavailable",
+            Rejection::UpstreamFailed(_) => "upstream_failed",
+            Rejection::Internal(_) => "internal",
+        }
+    }
+
     /// As an RFC 9457 problem for HTTP clients, or a trailers-only gRPC
     /// status for gRPC ones.
     fn response(self, protocol: Protocol) -> Response<ProxyBody> {
@@ -254,8 +269,43 @@ pub async fn serve<S: Store>(
     Ok(())
 }
 
+/// A response and what it was, for the metrics.
+struct Answer {
+    response: Response<ProxyBody>,
+    result: &'static str,
+    /// Time spent waiting for the upstream (not added by the proxy).
+    upstream: Duration,
+}
+
+impl Answer {
+    fn new(response: Response<ProxyBody>, result: &'static str) -> Answer {
+        Answer {
+            response,
+            result,
+            upstream: Duration::ZERO,
+        }
+    }
+
+    fn rejected(rejection: Rejection, protocol: Protocol) -> Answer {
+        let result = rejection.result();
+        Answer::new(rejection.response(protocol), result)
+    }
+}
+
 impl<S: Store> Proxy<S> {
     async fn handle(self: Arc<Self>, request: Request<Incoming>) -> Response<ProxyBody> {
+        let started = std::time::Instant::now();
+        let keyed = request.headers().contains_key("idempotency-key");
+        let answer = Arc::clone(&self).answer(request).await;
+        let metrics = self.engine.metrics();
+        metrics.proxy_request(answer.result);
+        if keyed && answer.result != "passed_through" {
+            metrics.proxy_added(started.elapsed().saturating_sub(answer.upstream));
+        }
+        answer.response
+    }
+
+    async fn answer(self: Arc<Self>, request: Request<Incoming>) -> Answer {
         let protocol = Protocol::of(request.headers());
         let value = request.headers().get("idempotency-key").cloned();
         let parsed = match (protocol, value) {
@@ -266,17 +316,20 @@ impl<S: Store> Proxy<S> {
             (Protocol::Http, None)
                 if self.config.require_key && self.config.methods.contains(request.method()) =>
             {
-                return Rejection::MissingKey(request.method().clone()).response(protocol);
+                return Answer::rejected(Rejection::MissingKey(request.method().clone()), protocol);
             }
             _ => None,
         };
         match parsed {
             Some(Ok(key)) => self.keyed(request, key, protocol).await,
-            Some(Err(problem)) => Rejection::InvalidKey(problem.to_string()).response(protocol),
-            None => {
-                self.pass_through(request.map(|body| body.boxed()), protocol)
-                    .await
+            Some(Err(problem)) => {
+                Answer::rejected(Rejection::InvalidKey(problem.to_string()), protocol)
             }
+            None => Answer::new(
+                self.pass_through(request.map(|body| body.boxed()), protocol)
+                    .await,
+                "passed_through",
+            ),
         }
     }
 
@@ -327,7 +380,7 @@ impl<S: Store> Proxy<S> {
         request: Request<Incoming>,
         key: IdempotencyKey,
         protocol: Protocol,
-    ) -> Response<ProxyBody> {
+    ) -> Answer {
         let (parts, body) = request.into_parts();
         let body = match Limited::new(body, self.config.max_request_bytes)
             .collect()
@@ -335,7 +388,10 @@ impl<S: Store> Proxy<S> {
         {
             Ok(collected) => collected.to_bytes(),
             Err(_) => {
-                return Rejection::RequestTooLarge(self.config.max_request_bytes).response(protocol)
+                return Answer::rejected(
+                    Rejection::RequestTooLarge(self.config.max_request_bytes),
+                    protocol,
+                )
             }
         };
         let caller = self
@@ -368,7 +424,7 @@ impl<S: Store> Proxy<S> {
             Ok(outcome) => outcome,
             Err(error) => {
                 tracing::warn!(%error, "the store did not answer; the request was not forwarded");
-                return Rejection::StoreUnavailable.response(protocol);
+                return Answer::rejected(Rejection::StoreUnavailable, protocol);
             }
         };
         match outcome {
@@ -384,24 +440,24 @@ impl<S: Store> Proxy<S> {
                         .await
                 });
                 match run.await {
-                    Ok(response) => response,
+                    Ok(answer) => answer,
                     Err(join) => {
                         tracing::error!(%join, "proxy request task failed");
-                        Rejection::Internal("the proxy failed").response(protocol)
+                        Answer::rejected(Rejection::Internal("the proxy failed"), protocol)
                     }
                 }
             }
             ClaimOutcome::Duplicate { record } => {
                 replay(&record.response, record.retain_until.0, protocol)
             }
-            ClaimOutcome::InProgress { .. } => Rejection::InProgress.response(protocol),
+            ClaimOutcome::InProgress { .. } => Answer::rejected(Rejection::InProgress, protocol),
             ClaimOutcome::FingerprintMismatch { .. } => {
-                Rejection::PayloadMismatch.response(protocol)
+                Answer::rejected(Rejection::PayloadMismatch, protocol)
             }
-            ClaimOutcome::Stale { .. } => {
-                Rejection::Internal("an ordering answer for a request without an ordering key")
-                    .response(protocol)
-            }
+            ClaimOutcome::Stale { .. } => Answer::rejected(
+                Rejection::Internal("an ordering answer for a request without an ordering key"),
+                protocol,
+            ),
         }
     }
 
@@ -413,7 +469,7 @@ impl<S: Store> Proxy<S> {
         token: LeaseToken,
         request: Request<ProxyBody>,
         protocol: Protocol,
-    ) -> Response<ProxyBody> {
+    ) -> Answer {
         let renewals = {
             let proxy = Arc::clone(&self);
             let key = key.clone();
@@ -432,6 +488,7 @@ impl<S: Store> Proxy<S> {
                 }
             })
         };
+        let upstream_started = std::time::Instant::now();
         let answered = tokio::time::timeout(self.config.upstream_timeout, async {
             let response = self
                 .forward(request, protocol)
@@ -445,12 +502,16 @@ impl<S: Store> Proxy<S> {
         .await
         .unwrap_or_else(|_| Err("the upstream did not answer in time".into()));
         renewals.abort();
+        let upstream = upstream_started.elapsed();
         let (parts, body, trailers) = match answered {
             Ok(answered) => answered,
             Err(problem) => {
                 self.release(key, token).await;
                 tracing::warn!(%problem, "upstream failed; key released");
-                return Rejection::UpstreamFailed(problem).response(protocol);
+                return Answer {
+                    upstream,
+                    ..Answer::rejected(Rejection::UpstreamFailed(problem), protocol)
+                };
             }
         };
         let replayable = match protocol {
@@ -462,7 +523,7 @@ impl<S: Store> Proxy<S> {
                     && grpc_messages(&body) <= 1
             }
         };
-        if replayable {
+        let result = if replayable {
             let stored = StoredResponse {
                 status: parts.status,
                 headers: end_to_end(&parts.headers),
@@ -478,13 +539,19 @@ impl<S: Store> Proxy<S> {
             if let Err(error) = self.engine.commit(&commit).await {
                 tracing::warn!(%error, "commit of a proxied response failed; a retry runs again");
             }
+            "forwarded"
         } else {
             self.release(key, token).await;
+            "released"
+        };
+        Answer {
+            response: client_response(Response::from_parts(
+                parts,
+                body_with_trailers(body, trailers),
+            )),
+            result,
+            upstream,
         }
-        client_response(Response::from_parts(
-            parts,
-            body_with_trailers(body, trailers),
-        ))
     }
 
     async fn release(&self, key: Key, token: LeaseToken) {
@@ -498,16 +565,19 @@ impl<S: Store> Proxy<S> {
     }
 }
 
-fn replay(stored: &[u8], retain_until_ms: u64, protocol: Protocol) -> Response<ProxyBody> {
+fn replay(stored: &[u8], retain_until_ms: u64, protocol: Protocol) -> Answer {
     let stored = match StoredResponse::decode(stored) {
         Ok(stored) => stored,
         Err(error) => {
             tracing::error!(%error, "a stored response does not decode");
-            return Rejection::Internal("the stored response is damaged").response(protocol);
+            return Answer::rejected(
+                Rejection::Internal("the stored response is damaged"),
+                protocol,
+            );
         }
     };
     let Some(body) = stored.body else {
-        return Rejection::NotReplayable.response(protocol);
+        return Answer::rejected(Rejection::NotReplayable, protocol);
     };
     let trailers = (!stored.trailers.is_empty()).then(|| {
         let mut map = http::HeaderMap::new();
@@ -528,7 +598,7 @@ fn replay(stored: &[u8], retain_until_ms: u64, protocol: Protocol) -> Response<P
     if let Ok(value) = HeaderValue::from_str(&httpdate::fmt_http_date(expires)) {
         response.headers_mut().insert(EXPIRES, value);
     }
-    response
+    Answer::new(response, "replayed")
 }
 
 /// `grpc-status` from the trailers, or the headers of a trailers-only
