@@ -335,6 +335,11 @@ pub struct HttpProxyArgs {
         default_value = "60s"
     )]
     pub http_proxy_upstream_timeout: humantime::Duration,
+    /// A retry that arrives while the first request runs waits up to this
+    /// long for its result and gets the replay, instead of a 409 at once
+    /// (`0s`: answer 409 at once).
+    #[arg(long, env = "DEDUPD_HTTP_PROXY_WAIT_IN_FLIGHT", default_value = "0s")]
+    pub http_proxy_wait_in_flight: humantime::Duration,
 }
 
 impl HttpProxyArgs {
@@ -385,6 +390,13 @@ impl HttpProxyArgs {
             self.http_proxy_upstream_timeout.into(),
             Duration::from_secs(3600),
         )?;
+        let wait_in_flight: Duration = self.http_proxy_wait_in_flight.into();
+        if wait_in_flight > upstream_timeout {
+            return Err(format!(
+                "--http-proxy-wait-in-flight {} is longer than --http-proxy-upstream-timeout {}: a retry would outwait the first request",
+                self.http_proxy_wait_in_flight, self.http_proxy_upstream_timeout
+            ));
+        }
         Ok(Some((
             listen,
             ProxyConfig {
@@ -398,6 +410,7 @@ impl HttpProxyArgs {
                 max_response_bytes: self.http_proxy_max_response_bytes,
                 max_request_bytes: self.http_proxy_max_request_bytes,
                 upstream_timeout,
+                wait_in_flight,
             },
         )))
     }

@@ -121,6 +121,7 @@ async fn proxy_with(upstream: &Upstream, adjust: impl FnOnce(&mut ProxyConfig)) 
         max_response_bytes: 64 << 10,
         max_request_bytes: 1 << 20,
         upstream_timeout: Duration::from_secs(10),
+        wait_in_flight: Duration::ZERO,
     };
     adjust(&mut config);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -760,4 +761,50 @@ async fn grpc_unary_calls_are_replayed_with_their_status() {
         .unwrap()
         .into_inner();
     assert_eq!(common::outcome(&passed), pb::ClaimOutcome::InProgress);
+}
+
+/// With a wait for in-flight requests, a retry arriving while the first
+/// runs gets its result instead of a 409.
+#[tokio::test]
+async fn a_retry_can_wait_for_the_first_requests_result() {
+    let upstream = upstream().await;
+    let proxy = proxy_with(&upstream, |config| {
+        config.wait_in_flight = Duration::from_secs(5);
+    })
+    .await;
+    let first = send(
+        proxy.address,
+        Method::POST,
+        "/orders",
+        Some("\"w\""),
+        None,
+        "{}",
+    );
+    let retry = async {
+        // Sent while the upstream (200 ms) still works on the first.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        send(
+            proxy.address,
+            Method::POST,
+            "/orders",
+            Some("\"w\""),
+            None,
+            "{}",
+        )
+        .await
+    };
+    let (first, retry) = tokio::join!(first, retry);
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
+    // Whichever claimed first (on a slow machine the "retry" may), the
+    // other waited and got its answer replayed.
+    assert_eq!(
+        [replayed(&first), replayed(&retry)]
+            .iter()
+            .filter(|r| **r)
+            .count(),
+        1
+    );
+    assert_eq!(retry.body, first.body);
+    assert_eq!(upstream.calls.get("/orders"), 1);
 }

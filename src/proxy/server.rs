@@ -63,7 +63,13 @@ pub struct ProxyConfig {
     pub max_request_bytes: usize,
     /// The longest the upstream may take to answer a keyed request.
     pub upstream_timeout: Duration,
+    /// How long a retry waits for the first request's result (then
+    /// replays it) instead of answering 409 at once; zero: no wait.
+    pub wait_in_flight: Duration,
 }
+
+/// How often a waiting retry looks again while the first request runs.
+const IN_FLIGHT_POLL: Duration = Duration::from_millis(20);
 
 type ProxyBody = BoxBody<Bytes, hyper::Error>;
 
@@ -420,11 +426,24 @@ impl<S: Store> Proxy<S> {
             &parts.headers,
             &body,
         );
-        let outcome = match self.engine.claim(&claim).await {
-            Ok(outcome) => outcome,
-            Err(error) => {
-                tracing::warn!(%error, "the store did not answer; the request was not forwarded");
-                return Answer::rejected(Rejection::StoreUnavailable, protocol);
+        // With --http-proxy-wait-in-flight, a retry that finds the first
+        // request running looks again until it ends (replayed, or released
+        // and so ours to run) or the wait is over.
+        let waiting_until = std::time::Instant::now() + self.config.wait_in_flight;
+        let outcome = loop {
+            let outcome = match self.engine.claim(&claim).await {
+                Ok(outcome) => outcome,
+                Err(error) => {
+                    tracing::warn!(%error, "the store did not answer; the request was not forwarded");
+                    return Answer::rejected(Rejection::StoreUnavailable, protocol);
+                }
+            };
+            let left = waiting_until.saturating_duration_since(std::time::Instant::now());
+            match outcome {
+                ClaimOutcome::InProgress { .. } if !left.is_zero() => {
+                    tokio::time::sleep(left.min(IN_FLIGHT_POLL)).await;
+                }
+                outcome => break outcome,
             }
         };
         match outcome {
