@@ -280,3 +280,46 @@ pub(crate) fn accept_capped<A: Accept>(
     });
     ReceiverStream::new(receiver)
 }
+
+/// Accepts TCP connections on `listener` until `shutdown` resolves, running
+/// `serve(stream, peer, stopping)` for each (with TCP_NODELAY set); then
+/// cancels `stopping` so each connection finishes its request in progress
+/// and closes (HTTP clients keep connections open), and waits for them, at
+/// most `grace`. An accept error (out of file descriptors, say) is logged
+/// and retried after a pause rather than ending the server.
+pub async fn serve_tcp<F, Fut>(
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()>,
+    grace: Duration,
+    serve: F,
+) where
+    F: Fn(TcpStream, SocketAddr, tokio_util::sync::CancellationToken) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let connections = tokio_util::task::TaskTracker::new();
+    let stopping = tokio_util::sync::CancellationToken::new();
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    tracing::warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        connections.spawn(serve(stream, peer, stopping.clone()));
+    }
+    stopping.cancel();
+    connections.close();
+    if tokio::time::timeout(grace, connections.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!("connections still open after the shutdown grace; closing them");
+    }
+}

@@ -178,6 +178,11 @@ async fn send(
     }
 }
 
+/// A POST with `key` and no caller: most tests' request.
+async fn post(address: SocketAddr, path: &str, key: &str, body: &str) -> Answer {
+    send(address, Method::POST, path, Some(key), None, body).await
+}
+
 fn replayed(answer: &Answer) -> bool {
     answer
         .headers
@@ -190,16 +195,9 @@ async fn twenty_identical_posts_reach_the_upstream_once() {
     let upstream = upstream().await;
     let proxy = proxy(&upstream, false).await;
     let body = r#"{"amount":10,"currency":"EUR"}"#;
-    let answers = futures_util::future::join_all((0..20).map(|_| {
-        send(
-            proxy.address,
-            Method::POST,
-            "/orders",
-            Some("\"order-1\""),
-            None,
-            body,
-        )
-    }))
+    let answers = futures_util::future::join_all(
+        (0..20).map(|_| post(proxy.address, "/orders", "\"order-1\"", body)),
+    )
     .await;
     assert_eq!(
         upstream.calls.get("/orders"),
@@ -223,15 +221,7 @@ async fn twenty_identical_posts_reach_the_upstream_once() {
         }
     }
 
-    let retry = send(
-        proxy.address,
-        Method::POST,
-        "/orders",
-        Some("\"order-1\""),
-        None,
-        body,
-    )
-    .await;
+    let retry = post(proxy.address, "/orders", "\"order-1\"", body).await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(replayed(&retry));
     assert_eq!(retry.body, "{\"order\":1}");
@@ -247,15 +237,7 @@ async fn twenty_identical_posts_reach_the_upstream_once() {
 async fn json_key_order_does_not_matter_but_another_payload_is_refused() {
     let upstream = upstream().await;
     let proxy = proxy(&upstream, false).await;
-    let first = send(
-        proxy.address,
-        Method::POST,
-        "/echo",
-        Some("\"k\""),
-        None,
-        r#"{"a":1,"b":[1,2]}"#,
-    )
-    .await;
+    let first = post(proxy.address, "/echo", "\"k\"", r#"{"a":1,"b":[1,2]}"#).await;
     assert_eq!(first.status, StatusCode::OK);
     let reordered = send(
         proxy.address,
@@ -269,15 +251,7 @@ async fn json_key_order_does_not_matter_but_another_payload_is_refused() {
     assert_eq!(reordered.status, StatusCode::OK);
     assert!(replayed(&reordered));
     assert_eq!(reordered.body, r#"{"a":1,"b":[1,2]}"#);
-    let other = send(
-        proxy.address,
-        Method::POST,
-        "/echo",
-        Some("\"k\""),
-        None,
-        r#"{"a":2,"b":[1,2]}"#,
-    )
-    .await;
+    let other = post(proxy.address, "/echo", "\"k\"", r#"{"a":2,"b":[1,2]}"#).await;
     assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(other.headers["content-type"], "application/problem+json");
     assert!(other.body.contains("idempotency-key-reused"));
@@ -307,37 +281,13 @@ async fn callers_keys_never_collide() {
 async fn a_server_error_releases_the_key_so_the_retry_runs_again() {
     let upstream = upstream().await;
     let proxy = proxy(&upstream, false).await;
-    let first = send(
-        proxy.address,
-        Method::POST,
-        "/flaky",
-        Some("\"f\""),
-        None,
-        "{}",
-    )
-    .await;
+    let first = post(proxy.address, "/flaky", "\"f\"", "{}").await;
     assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR);
-    let retry = send(
-        proxy.address,
-        Method::POST,
-        "/flaky",
-        Some("\"f\""),
-        None,
-        "{}",
-    )
-    .await;
+    let retry = post(proxy.address, "/flaky", "\"f\"", "{}").await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(!replayed(&retry));
     assert_eq!(upstream.calls.get("/flaky"), 2);
-    let again = send(
-        proxy.address,
-        Method::POST,
-        "/flaky",
-        Some("\"f\""),
-        None,
-        "{}",
-    )
-    .await;
+    let again = post(proxy.address, "/flaky", "\"f\"", "{}").await;
     assert!(replayed(&again));
     assert_eq!(again.body, "{\"call\":2}");
 
@@ -357,20 +307,12 @@ async fn bad_or_missing_keys_are_400_and_other_requests_pass_through() {
     let upstream = upstream().await;
     let proxy = proxy(&upstream, false).await;
     for bad in ["unquoted", "\"\""] {
-        let answer = send(proxy.address, Method::POST, "/echo", Some(bad), None, "{}").await;
+        let answer = post(proxy.address, "/echo", bad, "{}").await;
         assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{bad}");
         assert!(answer.body.contains("invalid-idempotency-key"));
     }
     let long = format!("\"{}\"", "k".repeat(256));
-    let answer = send(
-        proxy.address,
-        Method::POST,
-        "/echo",
-        Some(&long),
-        None,
-        "{}",
-    )
-    .await;
+    let answer = post(proxy.address, "/echo", &long, "{}").await;
     assert_eq!(answer.status, StatusCode::BAD_REQUEST);
     assert_eq!(
         upstream.calls.get("/echo"),
@@ -432,28 +374,13 @@ async fn a_client_that_disconnects_still_gets_its_result_committed() {
     // Give up long before the upstream's 200 ms answer.
     let abandoned = tokio::time::timeout(
         Duration::from_millis(50),
-        send(
-            proxy.address,
-            Method::POST,
-            "/orders",
-            Some("\"gone\""),
-            None,
-            "{}",
-        ),
+        post(proxy.address, "/orders", "\"gone\"", "{}"),
     )
     .await;
     assert!(abandoned.is_err());
     let mut replay = None;
     for _ in 0..100 {
-        let answer = send(
-            proxy.address,
-            Method::POST,
-            "/orders",
-            Some("\"gone\""),
-            None,
-            "{}",
-        )
-        .await;
+        let answer = post(proxy.address, "/orders", "\"gone\"", "{}").await;
         if answer.status == StatusCode::CREATED {
             replay = Some(answer);
             break;
@@ -486,28 +413,12 @@ async fn the_record_survives_a_kill_9_between_request_and_retry() {
             .unwrap_or_else(|| panic!("no proxy address in {}", sidecar.ready))
     };
     let sidecar = common::sidecar::Sidecar::start_with(data.path(), &flags);
-    let first = send(
-        proxy_address(&sidecar),
-        Method::POST,
-        "/orders",
-        Some("\"k9\""),
-        None,
-        "{}",
-    )
-    .await;
+    let first = post(proxy_address(&sidecar), "/orders", "\"k9\"", "{}").await;
     assert_eq!(first.status, StatusCode::CREATED);
     sidecar.kill_9();
 
     let sidecar = common::sidecar::Sidecar::start_with(data.path(), &flags);
-    let retry = send(
-        proxy_address(&sidecar),
-        Method::POST,
-        "/orders",
-        Some("\"k9\""),
-        None,
-        "{}",
-    )
-    .await;
+    let retry = post(proxy_address(&sidecar), "/orders", "\"k9\"", "{}").await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(replayed(&retry), "{:?}", retry.headers);
     assert_eq!(retry.body, first.body);
@@ -632,26 +543,10 @@ async fn a_response_too_large_to_keep_is_answered_once_and_not_replayed() {
     let upstream = upstream().await;
     let proxy = proxy_with(&upstream, |config| config.max_response_bytes = 8).await;
     let body = r#"{"a long":"body of more than eight bytes"}"#;
-    let first = send(
-        proxy.address,
-        Method::POST,
-        "/echo",
-        Some("\"big\""),
-        None,
-        body,
-    )
-    .await;
+    let first = post(proxy.address, "/echo", "\"big\"", body).await;
     assert_eq!(first.status, StatusCode::OK);
     assert_eq!(first.body, body);
-    let retry = send(
-        proxy.address,
-        Method::POST,
-        "/echo",
-        Some("\"big\""),
-        None,
-        body,
-    )
-    .await;
+    let retry = post(proxy.address, "/echo", "\"big\"", body).await;
     assert_eq!(retry.status, StatusCode::CONFLICT);
     assert!(
         retry.body.contains("response-not-replayable"),
@@ -772,26 +667,11 @@ async fn a_retry_can_wait_for_the_first_requests_result() {
         config.wait_in_flight = Duration::from_secs(5);
     })
     .await;
-    let first = send(
-        proxy.address,
-        Method::POST,
-        "/orders",
-        Some("\"w\""),
-        None,
-        "{}",
-    );
+    let first = post(proxy.address, "/orders", "\"w\"", "{}");
     let retry = async {
         // Sent while the upstream (200 ms) still works on the first.
         tokio::time::sleep(Duration::from_millis(50)).await;
-        send(
-            proxy.address,
-            Method::POST,
-            "/orders",
-            Some("\"w\""),
-            None,
-            "{}",
-        )
-        .await
+        post(proxy.address, "/orders", "\"w\"", "{}").await
     };
     let (first, retry) = tokio::join!(first, retry);
     assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);

@@ -381,67 +381,51 @@ pub async fn serve(
     let ready = Arc::new(AtomicBool::new(true));
     let app = router(defaults, metrics, Arc::clone(&ready));
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cert.server_config()));
-    let connections = tokio_util::task::TaskTracker::new();
-    let stopping = tokio_util::sync::CancellationToken::new();
-    tokio::pin!(shutdown);
-    loop {
-        let (stream, peer) = tokio::select! {
-            () = &mut shutdown => break,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    // Out of file descriptors and the like: pass, retry.
-                    tracing::warn!(%error, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        let _ = stream.set_nodelay(true);
-        let acceptor = acceptor.clone();
-        let app = app.clone();
-        let stopping = stopping.clone();
-        connections.spawn(async move {
-            let stream =
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                    Ok(Ok(stream)) => stream,
-                    Ok(Err(error)) => {
-                        tracing::debug!(%peer, %error, "TLS handshake failed");
-                        return;
-                    }
-                    Err(_) => {
-                        tracing::debug!(%peer, "TLS handshake timed out");
-                        return;
+    let stop_ready = Arc::clone(&ready);
+    let shutdown = async move {
+        shutdown.await;
+        stop_ready.store(false, Ordering::SeqCst);
+    };
+    crate::listen::serve_tcp(
+        listener,
+        shutdown,
+        SHUTDOWN_GRACE,
+        |stream, peer, stopping| {
+            let (acceptor, app) = (acceptor.clone(), app.clone());
+            async move {
+                let stream =
+                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                        Ok(Ok(stream)) => stream,
+                        Ok(Err(error)) => {
+                            tracing::debug!(%peer, %error, "TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => {
+                            tracing::debug!(%peer, "TLS handshake timed out");
+                            return;
+                        }
+                    };
+                let service = hyper_util::service::TowerToHyperService::new(app);
+                let connection = hyper::server::conn::http1::Builder::new()
+                    .timer(hyper_util::rt::TokioTimer::new())
+                    .header_read_timeout(HANDSHAKE_TIMEOUT)
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+                let mut connection = std::pin::pin!(connection);
+                let ended = tokio::select! {
+                    ended = connection.as_mut() => ended,
+                    // The API server keeps connections open: finish the request
+                    // in progress, then close.
+                    () = stopping.cancelled() => {
+                        connection.as_mut().graceful_shutdown();
+                        connection.await
                     }
                 };
-            let service = hyper_util::service::TowerToHyperService::new(app);
-            let connection = hyper::server::conn::http1::Builder::new()
-                .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(HANDSHAKE_TIMEOUT)
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
-            let mut connection = std::pin::pin!(connection);
-            let ended = tokio::select! {
-                ended = connection.as_mut() => ended,
-                // The API server keeps connections open: finish the request
-                // in progress, then close.
-                () = stopping.cancelled() => {
-                    connection.as_mut().graceful_shutdown();
-                    connection.await
+                if let Err(error) = ended {
+                    tracing::debug!(%peer, %error, "connection ended with an error");
                 }
-            };
-            if let Err(error) = ended {
-                tracing::debug!(%peer, %error, "connection ended with an error");
             }
-        });
-    }
-    ready.store(false, Ordering::SeqCst);
-    stopping.cancel();
-    connections.close();
-    if tokio::time::timeout(SHUTDOWN_GRACE, connections.wait())
-        .await
-        .is_err()
-    {
-        tracing::warn!("connections still open after the shutdown grace; closing them");
-    }
+        },
+    )
+    .await;
     Ok(())
 }

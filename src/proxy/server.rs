@@ -36,6 +36,9 @@ pub const REPLAYED: &str = "idempotent-replayed";
 /// The header telling when a replayable key expires (an HTTP date).
 pub const EXPIRES: &str = "idempotency-key-expires";
 
+/// How long requests in progress may take to finish once shutdown begins.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
 /// The longest `Retry-After` suggested while a key's first request runs.
 const IN_FLIGHT_RETRY: Duration = Duration::from_secs(1);
 
@@ -231,47 +234,34 @@ pub async fn serve<S: Store>(
         http1,
         http2,
     });
-    let connections = tokio_util::task::TaskTracker::new();
-    let stopping = tokio_util::sync::CancellationToken::new();
-    tokio::pin!(shutdown);
-    loop {
-        let (stream, _peer) = tokio::select! {
-            () = &mut shutdown => break,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(error) => {
-                    tracing::warn!(%error, "proxy accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
+    crate::listen::serve_tcp(
+        listener,
+        shutdown,
+        SHUTDOWN_GRACE,
+        |stream, peer, stopping| {
+            let proxy = Arc::clone(&proxy);
+            async move {
+                let service = hyper::service::service_fn(move |request| {
+                    let proxy = Arc::clone(&proxy);
+                    async move { Ok::<_, Infallible>(proxy.handle(request).await) }
+                });
+                let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                let connection = builder.serve_connection(TokioIo::new(stream), service);
+                let mut connection = std::pin::pin!(connection);
+                let ended = tokio::select! {
+                    ended = connection.as_mut() => ended,
+                    () = stopping.cancelled() => {
+                        connection.as_mut().graceful_shutdown();
+                        connection.await
+                    }
+                };
+                if let Err(error) = ended {
+                    tracing::debug!(%peer, %error, "proxy connection ended with an error");
                 }
-            },
-        };
-        let _ = stream.set_nodelay(true);
-        let proxy = Arc::clone(&proxy);
-        let stopping = stopping.clone();
-        connections.spawn(async move {
-            let service = hyper::service::service_fn(move |request| {
-                let proxy = Arc::clone(&proxy);
-                async move { Ok::<_, Infallible>(proxy.handle(request).await) }
-            });
-            let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-            let connection = builder.serve_connection(TokioIo::new(stream), service);
-            let mut connection = std::pin::pin!(connection);
-            let ended = tokio::select! {
-                ended = connection.as_mut() => ended,
-                () = stopping.cancelled() => {
-                    connection.as_mut().graceful_shutdown();
-                    connection.await
-                }
-            };
-            if let Err(error) = ended {
-                tracing::debug!(%error, "proxy connection ended with an error");
             }
-        });
-    }
-    stopping.cancel();
-    connections.close();
-    connections.wait().await;
+        },
+    )
+    .await;
     Ok(())
 }
 
