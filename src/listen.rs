@@ -323,3 +323,22 @@ pub async fn serve_tcp<F, Fut>(
         tracing::warn!("connections still open after the shutdown grace; closing them");
     }
 }
+
+/// Serves one HTTP connection until it ends, or until `stopping` is
+/// cancelled: then it finishes the request in progress and closes.
+pub async fn until_stopped<C>(
+    connection: C,
+    stopping: &tokio_util::sync::CancellationToken,
+) -> Result<(), C::Error>
+where
+    C: hyper_util::server::graceful::GracefulConnection,
+{
+    let mut connection = std::pin::pin!(connection);
+    tokio::select! {
+        ended = connection.as_mut() => ended,
+        () = stopping.cancelled() => {
+            connection.as_mut().graceful_shutdown();
+            connection.await
+        }
+    }
+}

@@ -410,16 +410,7 @@ pub async fn serve(
                     .timer(hyper_util::rt::TokioTimer::new())
                     .header_read_timeout(HANDSHAKE_TIMEOUT)
                     .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
-                let mut connection = std::pin::pin!(connection);
-                let ended = tokio::select! {
-                    ended = connection.as_mut() => ended,
-                    // The API server keeps connections open: finish the request
-                    // in progress, then close.
-                    () = stopping.cancelled() => {
-                        connection.as_mut().graceful_shutdown();
-                        connection.await
-                    }
-                };
+                let ended = crate::listen::until_stopped(connection, &stopping).await;
                 if let Err(error) = ended {
                     tracing::debug!(%peer, %error, "connection ended with an error");
                 }

@@ -401,36 +401,14 @@ mod tests {
 
     #[test]
     fn json_bodies_fingerprint_the_same_whatever_their_key_order_and_spacing() {
-        let a = fingerprint(
-            &Method::POST,
-            "/orders",
-            None,
-            &json_headers(),
-            br#"{"amount": 10, "currency":"EUR","items":[1,2]}"#,
-        );
-        let b = fingerprint(
-            &Method::POST,
-            "/orders",
-            None,
-            &json_headers(),
-            b"{\n  \"items\" : [1, 2],\n  \"currency\": \"EUR\", \"amount\": 1e1\n}",
-        );
+        let order =
+            |body: &[u8]| fingerprint(&Method::POST, "/orders", None, &json_headers(), body);
+        let a = order(br#"{"amount": 10, "currency":"EUR","items":[1,2]}"#);
+        let b = order(b"{\n  \"items\" : [1, 2],\n  \"currency\": \"EUR\", \"amount\": 1e1\n}");
         assert_eq!(a, b);
-        let changed = fingerprint(
-            &Method::POST,
-            "/orders",
-            None,
-            &json_headers(),
-            br#"{"amount": 11, "currency":"EUR","items":[1,2]}"#,
-        );
+        let changed = order(br#"{"amount": 11, "currency":"EUR","items":[1,2]}"#);
         assert_ne!(a, changed);
-        let reordered_array = fingerprint(
-            &Method::POST,
-            "/orders",
-            None,
-            &json_headers(),
-            br#"{"amount": 10, "currency":"EUR","items":[2,1]}"#,
-        );
+        let reordered_array = order(br#"{"amount": 10, "currency":"EUR","items":[2,1]}"#);
         assert_ne!(a, reordered_array, "array order is data");
     }
 

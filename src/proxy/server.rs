@@ -247,14 +247,7 @@ pub async fn serve<S: Store>(
                 });
                 let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
                 let connection = builder.serve_connection(TokioIo::new(stream), service);
-                let mut connection = std::pin::pin!(connection);
-                let ended = tokio::select! {
-                    ended = connection.as_mut() => ended,
-                    () = stopping.cancelled() => {
-                        connection.as_mut().graceful_shutdown();
-                        connection.await
-                    }
-                };
+                let ended = crate::listen::until_stopped(connection, &stopping).await;
                 if let Err(error) = ended {
                     tracing::debug!(%peer, %error, "proxy connection ended with an error");
                 }
