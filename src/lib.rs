@@ -27,8 +27,9 @@
 //! - [`cli`]: the command-line client.
 //! - [`inject`]: `dedupd inject`, the admission webhook that adds the
 //!   sidecar to labelled pods (a face of its own: it never touches a store).
-//! - [`proxy`]: the pieces of the HTTP idempotency proxy built so far
-//!   (the Idempotency-Key draft's rules as pure functions; no server yet).
+//! - [`proxy`]: the HTTP idempotency proxy (`--http-proxy-listen`), a face
+//!   of its own on the same engine: the Idempotency-Key rules and the
+//!   server that forwards, commits and replays.
 //! - `error`: the error type and its gRPC status mapping ([`Error`]).
 //! - [`proto`]: generated code.
 

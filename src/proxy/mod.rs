@@ -1,13 +1,13 @@
-//! The HTTP idempotency-proxy face (`dedupd http-proxy`, issue 14), being
-//! built. What exists so far is the part the draft
-//! (draft-ietf-httpapi-idempotency-key-header) defines, as pure functions:
+//! The HTTP idempotency proxy face: dedupd in front of an HTTP or gRPC
+//! service, deduplicating requests that carry an `Idempotency-Key`
+//! (draft-ietf-httpapi-idempotency-key-header) on the same engine, store
+//! and state machine as the gRPC API. `serve --http-proxy-listen` runs it.
 //!
-//! - [`idempotency`]: the `Idempotency-Key` header, the record a keyed
-//!   request maps to, the payload fingerprint, which responses are replayed
-//!   and their stored form.
-//!
-//! The server (forwarding, lease renewal, replay, 409/422/400 answers, gRPC)
-//! is not built yet: no command serves it.
+//! - [`idempotency`]: the draft's rules as pure functions — the key header,
+//!   the record a keyed request maps to, the payload fingerprint, which
+//!   answers are replayed and their stored form.
+//! - [`server`]: the HTTP/1.1 + HTTP/2 server that forwards, commits,
+//!   releases and replays.
 
 pub mod idempotency;
 pub mod server;
