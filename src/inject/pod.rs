@@ -131,11 +131,7 @@ pub fn decide(pod: &Pod, defaults: &SidecarDefaults) -> Decision {
     let Some(spec) = &pod.spec else {
         return Decision::Skip("the pod has no spec");
     };
-    let has_sidecar = spec
-        .containers
-        .iter()
-        .chain(spec.init_containers.iter().flatten())
-        .any(|container| container.name == SIDECAR);
+    let has_sidecar = all_containers(spec).any(|container| container.name == SIDECAR);
     if has_sidecar {
         return Decision::Skip("the pod already has a dedupd container");
     }

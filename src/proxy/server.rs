@@ -140,6 +140,13 @@ impl Rejection {
     /// status for gRPC ones.
     fn response(self, protocol: Protocol) -> Response<ProxyBody> {
         use tonic::Code;
+        // Worth retrying soon: the first request usually finishes well
+        // before its lease ends; a store outage is usually brief.
+        let retry_after = match self {
+            Rejection::InProgress => Some(IN_FLIGHT_RETRY),
+            Rejection::StoreUnavailable => Some(Duration::from_secs(1)),
+            _ => None,
+        };
         let (status, kind, code, detail) = match self {
             Rejection::InvalidKey(problem) => (
                 StatusCode::BAD_REQUEST,
@@ -199,11 +206,6 @@ impl Rejection {
         let mut response = match protocol {
             Protocol::Http => problem_response(status, kind, &detail),
             Protocol::Grpc => grpc_status_response(code, &detail),
-        };
-        let retry_after = match status {
-            StatusCode::CONFLICT if kind == "request-in-progress" => Some(IN_FLIGHT_RETRY),
-            StatusCode::SERVICE_UNAVAILABLE => Some(Duration::from_secs(1)),
-            _ => None,
         };
         if let (Some(wait), Protocol::Http) = (retry_after, protocol) {
             response.headers_mut().insert(
