@@ -16,7 +16,7 @@ use crate::{
     cli::ClientCommand,
     credentials::{AuthSources, StoreUrlSource, TlsFiles, TokenSource},
     listen::ListenAddr,
-    proxy::server::ProxyConfig,
+    proxy::{idempotency::RoutePattern, server::ProxyConfig},
     server::ConnectionLimits,
     store::{
         postgres::{self, check_schema, PostgresConfig},
@@ -64,6 +64,35 @@ pub fn one_line_error(error: &clap::Error) -> String {
 pub enum Command {
     /// Run the sidecar (the default when no command is given).
     Serve(ServeArgs),
+    /// Run the HTTP idempotency proxy in front of a service: requests with
+    /// an Idempotency-Key header run once, retries get the stored response.
+    /// The store flags are the server's; gRPC is off unless --grpc-listen.
+    #[command(
+        mut_arg("listen", |arg| arg
+            .long("grpc-listen")
+            .env("DEDUPD_GRPC_LISTEN")
+            .default_value(None::<&str>)
+            .help("Also serve dedupd's gRPC API here (HOST:PORT and/or unix:///path.sock, comma-separated); off when unset")),
+        mut_arg("max_response_bytes", |arg| arg
+            .long("grpc-max-response-bytes")
+            .help("Largest response a gRPC Commit may cache, in bytes (at most 1048576)")),
+        mut_arg("http_proxy_listen", |arg| arg
+            .long("listen")
+            .value_name("HOST:PORT")
+            .required(true)
+            .help("Serve the proxy here (HOST:PORT; HTTP/1.1 and HTTP/2)")),
+        mut_arg("http_proxy_upstream", |arg| arg.long("upstream").value_name("URL").required(true)),
+        mut_arg("http_proxy_methods", |arg| arg.long("methods")),
+        mut_arg("http_proxy_namespace", |arg| arg.long("namespace")),
+        mut_arg("http_proxy_scope_header", |arg| arg.long("scope-header")),
+        mut_arg("http_proxy_require_key", |arg| arg.long("require-key")),
+        mut_arg("http_proxy_retention", |arg| arg.long("retention")),
+        mut_arg("http_proxy_max_response_bytes", |arg| arg.long("max-response-bytes")),
+        mut_arg("http_proxy_max_request_bytes", |arg| arg.long("max-request-bytes")),
+        mut_arg("http_proxy_upstream_timeout", |arg| arg.long("upstream-timeout")),
+        mut_arg("http_proxy_wait_in_flight", |arg| arg.long("wait-in-flight")),
+    )]
+    HttpProxy(ServeArgs),
     /// Run the Kubernetes admission webhook that injects dedupd as a
     /// sidecar into pods labelled dedupd.io/inject=enabled.
     Inject(crate::inject::InjectArgs),
@@ -314,9 +343,19 @@ pub struct HttpProxyArgs {
     /// into every key's scope so two callers' keys never collide.
     #[arg(long, env = "DEDUPD_HTTP_PROXY_SCOPE_HEADER")]
     pub http_proxy_scope_header: Option<String>,
-    /// Answer 400 to a deduplicated method without an Idempotency-Key.
-    #[arg(long, env = "DEDUPD_HTTP_PROXY_REQUIRE_KEY")]
-    pub http_proxy_require_key: bool,
+    /// Answer 400 to a deduplicated method without an Idempotency-Key:
+    /// alone, on every route; or where one of the comma-separated patterns
+    /// `[METHOD ]PATH` matches (`*` one segment, a final `**` the rest:
+    /// `POST /payments/**,/orders/*/refunds`).
+    #[arg(
+        long,
+        env = "DEDUPD_HTTP_PROXY_REQUIRE_KEY",
+        value_name = "PATTERNS",
+        num_args = 0..=1,
+        default_missing_value = "*",
+        value_delimiter = ','
+    )]
+    pub http_proxy_require_key: Vec<String>,
     /// How long a replayable response is kept.
     #[arg(long, env = "DEDUPD_HTTP_PROXY_RETENTION", default_value = "24h")]
     pub http_proxy_retention: humantime::Duration,
@@ -340,9 +379,22 @@ pub struct HttpProxyArgs {
     /// (`0s`: answer 409 at once).
     #[arg(long, env = "DEDUPD_HTTP_PROXY_WAIT_IN_FLIGHT", default_value = "0s")]
     pub http_proxy_wait_in_flight: humantime::Duration,
+    /// Set by `dedupd http-proxy`, whose flags drop the `http-proxy-` prefix:
+    /// errors name the flags as the user wrote them.
+    #[arg(skip)]
+    pub standalone: bool,
 }
 
 impl HttpProxyArgs {
+    /// A proxy flag's name (without `--`) as this command spells it.
+    fn flag(&self, name: &str) -> String {
+        if self.standalone {
+            name.to_owned()
+        } else {
+            format!("http-proxy-{name}")
+        }
+    }
+
     /// The proxy's settings, if it is on; the error is one line.
     fn validate(&self, limits: &Limits) -> Result<Option<(SocketAddr, ProxyConfig)>, String> {
         let (Some(listen), Some(upstream)) = (self.http_proxy_listen, &self.http_proxy_upstream)
@@ -351,52 +403,82 @@ impl HttpProxyArgs {
         };
         let upstream_uri: http::Uri = upstream
             .parse()
-            .map_err(|e| format!("--http-proxy-upstream {upstream:?}: {e}"))?;
+            .map_err(|e| format!("--{} {upstream:?}: {e}", self.flag("upstream")))?;
         if upstream_uri.scheme_str() != Some("http")
             || upstream_uri.authority().is_none()
             || upstream_uri.path() != "/"
         {
             return Err(format!(
-                "--http-proxy-upstream {upstream:?} must be http://HOST:PORT (no path; TLS to the upstream is not supported)"
+                "--{} {upstream:?} must be http://HOST:PORT (no path; TLS to the upstream is not supported)",
+                self.flag("upstream")
             ));
         }
         let methods = self
             .http_proxy_methods
             .iter()
             .map(|method| {
-                http::Method::from_bytes(method.trim().to_ascii_uppercase().as_bytes())
-                    .map_err(|_| format!("--http-proxy-methods: {method:?} is not an HTTP method"))
+                http::Method::from_bytes(method.trim().to_ascii_uppercase().as_bytes()).map_err(
+                    |_| {
+                        format!(
+                            "--{}: {method:?} is not an HTTP method",
+                            self.flag("methods")
+                        )
+                    },
+                )
             })
             .collect::<Result<Vec<_>, _>>()?;
         let scope_header = self
             .http_proxy_scope_header
             .as_deref()
             .map(|name| {
-                http::HeaderName::from_bytes(name.as_bytes())
-                    .map_err(|_| format!("--http-proxy-scope-header {name:?} is not a header name"))
+                http::HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
+                    format!(
+                        "--{} {name:?} is not a header name",
+                        self.flag("scope-header")
+                    )
+                })
             })
             .transpose()?;
         // The proxy's records follow the same rules as any client's.
         limits
             .key(&self.http_proxy_namespace, "probe")
-            .map_err(|e| format!("--http-proxy-namespace: {e}"))?;
+            .map_err(|e| format!("--{}: {e}", self.flag("namespace")))?;
         let retention = check_duration_flag(
-            "http-proxy-retention",
+            &self.flag("retention"),
             self.http_proxy_retention.into(),
             limits.max_retention,
         )?;
         let upstream_timeout = check_duration_flag(
-            "http-proxy-upstream-timeout",
+            &self.flag("upstream-timeout"),
             self.http_proxy_upstream_timeout.into(),
             Duration::from_secs(3600),
         )?;
         let wait_in_flight: Duration = self.http_proxy_wait_in_flight.into();
         if wait_in_flight > upstream_timeout {
             return Err(format!(
-                "--http-proxy-wait-in-flight {} is longer than --http-proxy-upstream-timeout {}: a retry would outwait the first request",
-                self.http_proxy_wait_in_flight, self.http_proxy_upstream_timeout
+                "--{} {} is longer than --{} {}: a retry would outwait the first request",
+                self.flag("wait-in-flight"),
+                self.http_proxy_wait_in_flight,
+                self.flag("upstream-timeout"),
+                self.http_proxy_upstream_timeout
             ));
         }
+        let require_key = self
+            .http_proxy_require_key
+            .iter()
+            .map(|text| {
+                let pattern = RoutePattern::parse(text)
+                    .map_err(|e| format!("--{} {text:?}: {e}", self.flag("require-key")))?;
+                match pattern.method() {
+                    Some(method) if !methods.contains(method) => Err(format!(
+                        "--{} {text:?}: {method} is not in --{} (only those are deduplicated)",
+                        self.flag("require-key"),
+                        self.flag("methods")
+                    )),
+                    _ => Ok(pattern),
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(Some((
             listen,
             ProxyConfig {
@@ -404,7 +486,7 @@ impl HttpProxyArgs {
                 namespace: self.http_proxy_namespace.clone(),
                 methods,
                 scope_header,
-                require_key: self.http_proxy_require_key,
+                require_key,
                 lease_ttl: limits.default_lease_ttl,
                 retention,
                 max_response_bytes: self.http_proxy_max_response_bytes,

@@ -63,6 +63,10 @@ fn main() -> ExitCode {
             exit_code(runtime.block_on(cli::run(command)))
         }
         Some(Command::Serve(args)) => serve(&args),
+        Some(Command::HttpProxy(mut args)) => {
+            args.http_proxy.standalone = true;
+            serve(&args)
+        }
         Some(Command::Inject(args)) => inject(&args),
         None => serve(&cli.serve),
     }

@@ -11,7 +11,10 @@ use bytes::Bytes;
 use dedupd::{
     clock::SystemClock,
     engine::Engine,
-    proxy::server::{serve, ProxyConfig},
+    proxy::{
+        idempotency::RoutePattern,
+        server::{serve, ProxyConfig},
+    },
     store::sled::{SledConfig, SledStore},
 };
 use http::{Method, Request, Response, StatusCode};
@@ -20,7 +23,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 
 /// The upstream: counts calls per path. `/orders` answers 201 with the call
 /// number, slowly enough for retries to overlap; `/flaky` answers 500 on its
-/// first call and 201 after; `/echo` echoes the body.
+/// first call and 201 after; `/stream` echoes each chunk as it comes; any
+/// other path answers 200 with the body.
 struct Upstream {
     address: SocketAddr,
     calls: Arc<counts::Counts>,
@@ -62,6 +66,10 @@ async fn upstream() -> Upstream {
                         async move {
                             let path = request.uri().path().to_owned();
                             let call = counts.bump(&path);
+                            if path == "/stream" {
+                                // Each chunk is sent back as it arrives.
+                                return Ok(Response::new(request.into_body().boxed()));
+                            }
                             let body = request.into_body().collect().await.unwrap().to_bytes();
                             let (status, text) = match path.as_str() {
                                 "/orders" => {
@@ -78,7 +86,11 @@ async fn upstream() -> Upstream {
                                 .status(status)
                                 .header("content-type", "application/json")
                                 .header("x-upstream-call", call.to_string())
-                                .body(Full::new(Bytes::from(text)))
+                                .body(
+                                    Full::new(Bytes::from(text))
+                                        .map_err(|never| match never {})
+                                        .boxed(),
+                                )
                                 .unwrap();
                             Ok::<_, Infallible>(response)
                         }
@@ -99,8 +111,8 @@ struct Proxy {
     _stop: tokio::sync::oneshot::Sender<()>,
 }
 
-async fn proxy(upstream: &Upstream, require_key: bool) -> Proxy {
-    proxy_with(upstream, |config| config.require_key = require_key).await
+async fn proxy(upstream: &Upstream) -> Proxy {
+    proxy_with(upstream, |_| {}).await
 }
 
 async fn proxy_with(upstream: &Upstream, adjust: impl FnOnce(&mut ProxyConfig)) -> Proxy {
@@ -115,7 +127,7 @@ async fn proxy_with(upstream: &Upstream, adjust: impl FnOnce(&mut ProxyConfig)) 
         namespace: "http".into(),
         methods: vec![Method::POST, Method::PATCH],
         scope_header: Some(http::header::AUTHORIZATION),
-        require_key: false,
+        require_key: Vec::new(),
         lease_ttl: Duration::from_secs(5),
         retention: Duration::from_secs(3600),
         max_response_bytes: 64 << 10,
@@ -193,7 +205,7 @@ fn replayed(answer: &Answer) -> bool {
 #[tokio::test]
 async fn twenty_identical_posts_reach_the_upstream_once() {
     let upstream = upstream().await;
-    let proxy = proxy(&upstream, false).await;
+    let proxy = proxy(&upstream).await;
     let body = r#"{"amount":10,"currency":"EUR"}"#;
     let answers = futures_util::future::join_all(
         (0..20).map(|_| post(proxy.address, "/orders", "\"order-1\"", body)),
@@ -236,7 +248,7 @@ async fn twenty_identical_posts_reach_the_upstream_once() {
 #[tokio::test]
 async fn json_key_order_does_not_matter_but_another_payload_is_refused() {
     let upstream = upstream().await;
-    let proxy = proxy(&upstream, false).await;
+    let proxy = proxy(&upstream).await;
     let first = post(proxy.address, "/echo", "\"k\"", r#"{"a":1,"b":[1,2]}"#).await;
     assert_eq!(first.status, StatusCode::OK);
     let reordered = send(
@@ -261,7 +273,7 @@ async fn json_key_order_does_not_matter_but_another_payload_is_refused() {
 #[tokio::test]
 async fn callers_keys_never_collide() {
     let upstream = upstream().await;
-    let proxy = proxy(&upstream, false).await;
+    let proxy = proxy(&upstream).await;
     for caller in ["Bearer alice", "Bearer bob"] {
         let answer = send(
             proxy.address,
@@ -280,7 +292,7 @@ async fn callers_keys_never_collide() {
 #[tokio::test]
 async fn a_server_error_releases_the_key_so_the_retry_runs_again() {
     let upstream = upstream().await;
-    let proxy = proxy(&upstream, false).await;
+    let proxy = proxy(&upstream).await;
     let first = post(proxy.address, "/flaky", "\"f\"", "{}").await;
     assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR);
     let retry = post(proxy.address, "/flaky", "\"f\"", "{}").await;
@@ -305,7 +317,7 @@ async fn a_server_error_releases_the_key_so_the_retry_runs_again() {
 #[tokio::test]
 async fn bad_or_missing_keys_are_400_and_other_requests_pass_through() {
     let upstream = upstream().await;
-    let proxy = proxy(&upstream, false).await;
+    let proxy = proxy(&upstream).await;
     for bad in ["unquoted", "\"\""] {
         let answer = post(proxy.address, "/echo", bad, "{}").await;
         assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{bad}");
@@ -335,17 +347,45 @@ async fn bad_or_missing_keys_are_400_and_other_requests_pass_through() {
     }
     assert_eq!(upstream.calls.get("/echo"), 4);
 
-    let strict = self::proxy(&upstream, true).await;
-    let missing = send(strict.address, Method::POST, "/echo", None, None, "{}").await;
-    assert_eq!(missing.status, StatusCode::BAD_REQUEST);
-    assert!(missing.body.contains("missing-idempotency-key"));
-    assert_eq!(upstream.calls.get("/echo"), 4);
+    // Required on POST /echo/** and on /orders/*/refunds, for any
+    // deduplicated method; nowhere else.
+    let strict = proxy_with(&upstream, |config| {
+        config.require_key = ["POST /echo/**", "/orders/*/refunds"]
+            .iter()
+            .map(|pattern| RoutePattern::parse(pattern).unwrap())
+            .collect();
+    })
+    .await;
+    let mut refused = Vec::new();
+    for (method, path) in [
+        (Method::POST, "/echo"),
+        (Method::POST, "/echo/deeper/still"),
+        (Method::PATCH, "/orders/7/refunds"),
+        (Method::POST, "/orders/7/refunds"),
+    ] {
+        let missing = send(strict.address, method.clone(), path, None, None, "{}").await;
+        assert_eq!(missing.status, StatusCode::BAD_REQUEST, "{method} {path}");
+        assert!(missing.body.contains("missing-idempotency-key"));
+        refused.push(path);
+    }
+    assert_eq!(upstream.calls.get("/echo"), 4, "refused: {refused:?}");
+    for (method, path) in [
+        (Method::PATCH, "/echo"),
+        (Method::PUT, "/orders/7/refunds"),
+        (Method::POST, "/orders/7/refunds/1"),
+        (Method::POST, "/other"),
+    ] {
+        let before = upstream.calls.get(path);
+        let passed = send(strict.address, method.clone(), path, None, None, "{}").await;
+        assert_ne!(passed.status, StatusCode::BAD_REQUEST, "{method} {path}");
+        assert_eq!(upstream.calls.get(path), before + 1, "{method} {path}");
+    }
 }
 
 #[tokio::test]
 async fn an_http2_client_is_deduplicated_too() {
     let upstream = upstream().await;
-    let proxy = proxy(&upstream, false).await;
+    let proxy = proxy(&upstream).await;
     let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
         .http2_only(true)
         .build_http::<Full<Bytes>>();
@@ -367,10 +407,71 @@ async fn an_http2_client_is_deduplicated_too() {
     assert_eq!(upstream.calls.get("/echo"), 1);
 }
 
+/// A request without a key is streamed both ways, never buffered: each
+/// chunk comes back before the next is sent, and the whole (10 MiB) is
+/// ten times what a keyed request may carry here.
+#[tokio::test]
+async fn unkeyed_bodies_stream_through_whatever_their_size() {
+    use tokio_stream::StreamExt as _;
+
+    const CHUNK: usize = 64 << 10;
+    const CHUNKS: usize = 160;
+    let upstream = upstream().await;
+    let proxy = proxy(&upstream).await;
+    let (chunks, receiver) = tokio::sync::mpsc::channel::<Bytes>(1);
+    let request_body = http_body_util::StreamBody::new(
+        tokio_stream::wrappers::ReceiverStream::new(receiver)
+            .map(|chunk| Ok::<_, Infallible>(hyper::body::Frame::data(chunk))),
+    );
+    let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .build_http::<http_body_util::StreamBody<_>>();
+    let request = Request::post(format!("http://{}/stream", proxy.address))
+        .body(request_body)
+        .unwrap();
+    let sending = tokio::spawn(client.request(request));
+    chunks.send(Bytes::from(vec![0u8; CHUNK])).await.unwrap();
+    let response = tokio::time::timeout(Duration::from_secs(10), sending)
+        .await
+        .expect("the response starts before the request body ends")
+        .unwrap()
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    let mut received = 0;
+    for sent in 1..=CHUNKS {
+        // The next chunk goes only once the last one has come back.
+        while received < sent * CHUNK {
+            let frame = tokio::time::timeout(Duration::from_secs(10), body.frame())
+                .await
+                .unwrap_or_else(|_| panic!("chunk {sent} did not come back"))
+                .expect("more body")
+                .unwrap();
+            received += frame.data_ref().map_or(0, Bytes::len);
+        }
+        if sent < CHUNKS {
+            chunks
+                .send(Bytes::from(vec![sent as u8; CHUNK]))
+                .await
+                .unwrap();
+        }
+    }
+    drop(chunks);
+    assert!(
+        body.frame().await.is_none(),
+        "the body ends with the request's"
+    );
+    assert_eq!(received, CHUNK * CHUNKS);
+    assert!(
+        received > 8 << 20,
+        "larger than --http-proxy-max-request-bytes"
+    );
+    assert_eq!(upstream.calls.get("/stream"), 1);
+}
+
 #[tokio::test]
 async fn a_client_that_disconnects_still_gets_its_result_committed() {
     let upstream = upstream().await;
-    let proxy = proxy(&upstream, false).await;
+    let proxy = proxy(&upstream).await;
     // Give up long before the upstream's 200 ms answer.
     let abandoned = tokio::time::timeout(
         Duration::from_millis(50),
@@ -394,18 +495,14 @@ async fn a_client_that_disconnects_still_gets_its_result_committed() {
 }
 
 /// The record survives the sidecar: a request answered, the binary killed
-/// with SIGKILL, restarted on the same data, and the retry is a replay.
-#[tokio::test]
-async fn the_record_survives_a_kill_9_between_request_and_retry() {
+/// with SIGKILL, restarted on the same store with `flags`, and the retry is
+/// a replay.
+async fn record_survives_a_kill_9(flags: &[&str]) {
     let upstream = upstream().await;
     let data = tempfile::tempdir().unwrap();
     let upstream_url = format!("http://{}", upstream.address);
-    let flags = [
-        "--http-proxy-listen",
-        "127.0.0.1:0",
-        "--http-proxy-upstream",
-        upstream_url.as_str(),
-    ];
+    let mut flags = flags.to_vec();
+    flags.push(&upstream_url);
     let proxy_address = |sidecar: &common::sidecar::Sidecar| -> SocketAddr {
         sidecar.ready["http_proxy"]
             .as_str()
@@ -423,6 +520,37 @@ async fn the_record_survives_a_kill_9_between_request_and_retry() {
     assert!(replayed(&retry), "{:?}", retry.headers);
     assert_eq!(retry.body, first.body);
     assert_eq!(upstream.calls.get("/orders"), 1);
+}
+
+#[tokio::test]
+async fn the_record_survives_a_kill_9_between_request_and_retry_on_sled() {
+    record_survives_a_kill_9(&[
+        "--http-proxy-listen",
+        "127.0.0.1:0",
+        "--http-proxy-upstream",
+    ])
+    .await;
+}
+
+/// The same through `dedupd http-proxy` (its `--listen` is the proxy's; the
+/// sidecar helper's `--listen 127.0.0.1:0` lands there) on PostgreSQL.
+#[tokio::test]
+async fn the_record_survives_a_kill_9_between_request_and_retry_on_postgres() {
+    let schema = common::postgres::fresh_schema();
+    record_survives_a_kill_9(&[
+        "http-proxy",
+        "--grpc-listen",
+        "127.0.0.1:0",
+        "--store",
+        "postgres",
+        "--store-url",
+        common::postgres::URL,
+        "--store-schema",
+        &schema,
+        "--upstream",
+    ])
+    .await;
+    common::postgres::drop_schema(&schema).await;
 }
 
 #[test]
@@ -462,6 +590,45 @@ fn bad_proxy_flags_exit_64_with_one_line() {
                 "900days",
             ],
             "http-proxy-retention",
+        ),
+        (
+            &["http-proxy", "--upstream", "http://127.0.0.1:1"],
+            "--listen",
+        ),
+        (
+            &[
+                "http-proxy",
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                "http://127.0.0.1:1",
+                "--retention",
+                "900days",
+            ],
+            "--retention must be at most 365days, got 900days",
+        ),
+        (
+            &[
+                "http-proxy",
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                "http://127.0.0.1:1",
+                "--require-key",
+                "GET /reports/**",
+            ],
+            "--require-key \"GET /reports/**\": GET is not in --methods",
+        ),
+        (
+            &[
+                "--http-proxy-listen",
+                "127.0.0.1:0",
+                "--http-proxy-upstream",
+                "http://127.0.0.1:1",
+                "--http-proxy-require-key",
+                "payments/**",
+            ],
+            "--http-proxy-require-key \"payments/**\": \"payments/**\" is neither * nor a path",
         ),
     ];
     for (flags, expected) in cases {
@@ -507,7 +674,7 @@ async fn an_http_1_0_upstream_is_answered_in_the_clients_version() {
         address,
         calls: Arc::new(counts::Counts::default()),
     };
-    let proxy = proxy(&upstream, false).await;
+    let proxy = proxy(&upstream).await;
     let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
         .build_http::<Full<Bytes>>();
     for replay in [false, true] {
@@ -568,7 +735,7 @@ async fn grpc_unary_calls_are_replayed_with_their_status() {
         address: service.addr,
         calls: Arc::new(counts::Counts::default()),
     };
-    let proxy = proxy(&upstream, false).await;
+    let proxy = proxy(&upstream).await;
     let channel = tonic::transport::Channel::from_shared(format!("http://{}", proxy.address))
         .unwrap()
         .connect()

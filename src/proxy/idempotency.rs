@@ -10,6 +10,79 @@ use std::fmt::Write as _;
 use http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use sha2::{Digest, Sha256};
 
+/// Where a key is required (`--require-key`): an optional method and a
+/// path pattern. A path pattern is `*` (every route) or `/`-separated
+/// segments where `*` matches one segment and a final `**` matches the
+/// rest, none included: `POST /payments/**`, `/orders/*/refunds`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoutePattern {
+    method: Option<Method>,
+    /// `None`: every path.
+    segments: Option<Vec<String>>,
+}
+
+impl RoutePattern {
+    /// Parses `[METHOD ]PATH-PATTERN`; the error says what is wrong.
+    pub fn parse(text: &str) -> Result<RoutePattern, String> {
+        let text = text.trim();
+        let (method, path) = match text.split_once(char::is_whitespace) {
+            Some((method, path)) => {
+                let method = Method::from_bytes(method.to_ascii_uppercase().as_bytes())
+                    .map_err(|_| format!("{method:?} is not an HTTP method"))?;
+                (Some(method), path.trim())
+            }
+            None => (None, text),
+        };
+        if path == "*" {
+            return Ok(RoutePattern {
+                method,
+                segments: None,
+            });
+        }
+        let Some(rest) = path.strip_prefix('/') else {
+            return Err(format!(
+                "{path:?} is neither * nor a path starting with / (e.g. /payments/**)"
+            ));
+        };
+        let segments: Vec<String> = rest.split('/').map(str::to_owned).collect();
+        if let Some(position) = segments.iter().position(|segment| segment == "**") {
+            if position + 1 != segments.len() {
+                return Err(format!("{path:?}: ** may only end a pattern"));
+            }
+        }
+        Ok(RoutePattern {
+            method,
+            segments: Some(segments),
+        })
+    }
+
+    /// The method this pattern is limited to, if any.
+    pub fn method(&self) -> Option<&Method> {
+        self.method.as_ref()
+    }
+
+    /// Whether a request to `path` with `method` falls under the pattern.
+    pub fn matches(&self, method: &Method, path: &str) -> bool {
+        if self.method.as_ref().is_some_and(|own| own != method) {
+            return false;
+        }
+        let Some(pattern) = &self.segments else {
+            return true;
+        };
+        let mut path = path.strip_prefix('/').unwrap_or(path).split('/');
+        for segment in pattern {
+            match (segment.as_str(), path.next()) {
+                ("**", _) => return true,
+                (_, None) => return false,
+                ("*", Some(_)) => {}
+                (literal, Some(actual)) if literal == actual => {}
+                (_, Some(_)) => return false,
+            }
+        }
+        path.next().is_none()
+    }
+}
+
 /// The draft's limit on a key's length, in characters.
 pub const MAX_KEY_CHARS: usize = 255;
 
@@ -568,5 +641,30 @@ mod tests {
         let mut other_version = bytes;
         other_version[0] = 9;
         assert!(StoredResponse::decode(&other_version).is_err());
+    }
+
+    #[test]
+    fn route_patterns_match_methods_segments_and_the_rest() {
+        let post = Method::POST;
+        let patch = Method::PATCH;
+        let every = RoutePattern::parse("*").unwrap();
+        assert!(every.matches(&post, "/anything/at/all"));
+        let payments = RoutePattern::parse("post /payments/**").unwrap();
+        assert_eq!(payments.method(), Some(&Method::POST));
+        assert!(payments.matches(&post, "/payments"));
+        assert!(payments.matches(&post, "/payments/42/refunds"));
+        assert!(!payments.matches(&patch, "/payments/42"));
+        assert!(!payments.matches(&post, "/paymentsx"));
+        let refunds = RoutePattern::parse("/orders/*/refunds").unwrap();
+        assert!(refunds.matches(&patch, "/orders/7/refunds"));
+        assert!(!refunds.matches(&patch, "/orders/7/refunds/1"));
+        assert!(!refunds.matches(&patch, "/orders/refunds"));
+        assert!(!refunds.matches(&patch, "/orders/7/notes"));
+        let exact = RoutePattern::parse("PATCH /orders").unwrap();
+        assert!(exact.matches(&patch, "/orders"));
+        assert!(!exact.matches(&patch, "/orders/1"));
+        for bad in ["payments", "GE T /x", "/a/**/b", "P\u{e9}ST /x"] {
+            assert!(RoutePattern::parse(bad).is_err(), "{bad:?} accepted");
+        }
     }
 }

@@ -20,8 +20,8 @@ use serde_json::json;
 use tokio::net::TcpListener;
 
 use super::idempotency::{
-    end_to_end, fingerprint, is_replayable, is_replayable_grpc, IdempotencyKey, Scope,
-    StoredResponse,
+    end_to_end, fingerprint, is_replayable, is_replayable_grpc, IdempotencyKey, RoutePattern,
+    Scope, StoredResponse,
 };
 use crate::{
     domain::{
@@ -53,8 +53,8 @@ pub struct ProxyConfig {
     pub methods: Vec<Method>,
     /// A header identifying the caller, hashed into the key's scope.
     pub scope_header: Option<HeaderName>,
-    /// Refuse deduplicated methods without a key (400).
-    pub require_key: bool,
+    /// Where a deduplicated method without a key is refused (400).
+    pub require_key: Vec<RoutePattern>,
     /// The lease taken while the upstream works (renewed at a third of it).
     pub lease_ttl: Duration,
     /// How long a replayable response is kept.
@@ -304,9 +304,7 @@ impl<S: Store> Proxy<S> {
             (Protocol::Http, Some(value)) if self.config.methods.contains(request.method()) => {
                 Some(IdempotencyKey::parse(&value))
             }
-            (Protocol::Http, None)
-                if self.config.require_key && self.config.methods.contains(request.method()) =>
-            {
+            (Protocol::Http, None) if self.requires_key(request.method(), request.uri().path()) => {
                 return Answer::rejected(Rejection::MissingKey(request.method().clone()), protocol);
             }
             _ => None,
@@ -322,6 +320,15 @@ impl<S: Store> Proxy<S> {
                 "passed_through",
             ),
         }
+    }
+
+    fn requires_key(&self, method: &Method, path: &str) -> bool {
+        self.config.methods.contains(method)
+            && self
+                .config
+                .require_key
+                .iter()
+                .any(|pattern| pattern.matches(method, path))
     }
 
     /// Forwards the request as it is, streaming both ways (trailers too).
