@@ -7,8 +7,10 @@
 //! - [`target`]: the targets (dedupd, the no-op server, Redis, PostgreSQL).
 //! - [`noop`]: the dedup API answered without a store.
 //! - [`tier`]: the local tier's DUPLICATE against Redis's, without gRPC.
+//! - [`upstream`]: a trivial HTTP service to put the proxy in front of.
 
 pub mod load;
 pub mod noop;
 pub mod target;
 pub mod tier;
+pub mod upstream;

@@ -1,10 +1,10 @@
 //! The `dedupd-bench` binary: parses its command and runs it (see the
 //! library's module map).
 
-use std::{io::IsTerminal, net::SocketAddr, process::ExitCode};
+use std::{future::Future, io::IsTerminal, net::SocketAddr, process::ExitCode};
 
 use clap::{Args, Parser, Subcommand};
-use dedupd_bench::{load, noop, tier};
+use dedupd_bench::{load, noop, tier, upstream};
 use tokio::net::TcpListener;
 
 /// Load generator for dedupd and the obvious alternatives.
@@ -20,21 +20,34 @@ enum Command {
     /// Load-test dedupd, the no-op server, Redis or PostgreSQL.
     Load(load::LoadArgs),
     /// Serve the dedup API without a store: the gRPC ceiling.
-    NoopServer(NoopServerArgs),
+    NoopServer(ServerArgs),
+    /// Serve a trivial HTTP service (201 to everything, GET /calls counts):
+    /// what the HTTP proxy is measured in front of.
+    HttpUpstream(HttpUpstreamArgs),
     /// Time DUPLICATE answers from the local tier and from Redis alone,
     /// through the engine without gRPC.
     Tier(tier::TierArgs),
 }
 
-/// Options of `dedupd-bench noop-server`.
+/// Options of `dedupd-bench noop-server` and `http-upstream`.
 #[derive(Debug, Clone, Args)]
-struct NoopServerArgs {
+struct ServerArgs {
     /// Address to serve on.
     #[arg(long, default_value = "127.0.0.1:50052")]
     listen: SocketAddr,
     /// Tokio worker threads; 0 means one per CPU.
     #[arg(long, default_value_t = 0)]
     worker_threads: usize,
+}
+
+/// Options of `dedupd-bench http-upstream`.
+#[derive(Debug, Clone, Args)]
+struct HttpUpstreamArgs {
+    #[command(flatten)]
+    server: ServerArgs,
+    /// CPU time each request costs (busy, like a real service's work).
+    #[arg(long, default_value = "0s")]
+    work: humantime::Duration,
 }
 
 /// sysexits.h EX_USAGE.
@@ -60,7 +73,13 @@ fn main() -> ExitCode {
             }
             Err(code) => code,
         },
-        Command::NoopServer(args) => noop_server(&args),
+        Command::NoopServer(args) => serve_until_interrupted(&args, "no-op server", noop::serve),
+        Command::HttpUpstream(args) => {
+            let work = args.work.into();
+            serve_until_interrupted(&args.server, "HTTP upstream", |listener, shutdown| {
+                upstream::serve(listener, work, shutdown)
+            })
+        }
         Command::Tier(args) => match runtime(1) {
             Ok(runtime) => {
                 ExitCode::from(u8::try_from(runtime.block_on(tier::run(args))).unwrap_or(1))
@@ -77,7 +96,16 @@ fn runtime(worker_threads: usize) -> Result<tokio::runtime::Runtime, ExitCode> {
     })
 }
 
-fn noop_server(args: &NoopServerArgs) -> ExitCode {
+/// Runs one of the servers until Ctrl-C (or SIGINT from a script).
+fn serve_until_interrupted<F, E>(
+    args: &ServerArgs,
+    name: &str,
+    serve: impl FnOnce(TcpListener, std::pin::Pin<Box<dyn Future<Output = ()> + Send>>) -> F,
+) -> ExitCode
+where
+    F: Future<Output = Result<(), E>>,
+    E: std::fmt::Display,
+{
     tracing_subscriber::fmt()
         .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr)
@@ -94,13 +122,13 @@ fn noop_server(args: &NoopServerArgs) -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
-        let shutdown = async {
+        let shutdown = Box::pin(async {
             let _ = tokio::signal::ctrl_c().await;
-        };
-        match noop::serve(listener, shutdown).await {
+        });
+        match serve(listener, shutdown).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(error) => {
-                tracing::error!(%error, "no-op server failed");
+                tracing::error!(%error, "{name} failed");
                 ExitCode::FAILURE
             }
         }

@@ -5,8 +5,6 @@
 //! canonical JSON, so key order and whitespace do not matter), which
 //! responses are kept for replay, and their stored form.
 
-use std::fmt::Write as _;
-
 use http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use sha2::{Digest, Sha256};
 
@@ -382,10 +380,13 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// Lower-case hex, by table: `write!` per byte was 7% of a replay's CPU.
 fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut text = String::with_capacity(bytes.len() * 2);
     for byte in bytes {
-        let _ = write!(text, "{byte:02x}");
+        text.push(char::from(DIGITS[usize::from(byte >> 4)]));
+        text.push(char::from(DIGITS[usize::from(byte & 0x0f)]));
     }
     text
 }
@@ -641,6 +642,12 @@ mod tests {
         let mut other_version = bytes;
         other_version[0] = 9;
         assert!(StoredResponse::decode(&other_version).is_err());
+    }
+
+    #[test]
+    fn hex_is_two_lower_case_digits_per_byte() {
+        assert_eq!(hex(&[0x00, 0x0f, 0xa5, 0xff, 0x10]), "000fa5ff10");
+        assert_eq!(hex(&[]), "");
     }
 
     #[test]
