@@ -17,16 +17,11 @@ import argparse
 import asyncio
 import json
 import os
-import pathlib
 import signal
-import sys
 import time
 
-import grpc
+import dedupd
 import psycopg
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-import dedupd_client as dc  # noqa: E402
 
 
 def log(what, **fields):
@@ -45,8 +40,8 @@ class Handler:
 
     def __init__(self, args):
         self.args = args
-        self.dedup = dc.Dedup(args.dedupd, namespace="payments", owner=f"consumer-{os.getpid()}",
-                              lease_seconds=args.lease_seconds)
+        self.dedup = dedupd.Client(args.dedupd, namespace="payments", owner=f"consumer-{os.getpid()}",
+                                   lease=args.lease_seconds)
         self.db = psycopg.connect(args.pg, autocommit=True)
 
     def handle(self, body: bytes):
@@ -67,19 +62,18 @@ class Handler:
                 log("committed", correlation_id=correlation_id)
                 crash(self.args.crash, "after-commit")
                 return True
-        except dc.InProgress as busy:
-            log("in_progress", correlation_id=correlation_id, retry_after=busy.retry_after_seconds)
-            return max(busy.retry_after_seconds, 0.2)
-        except dc.Stale as stale:
+        except dedupd.InProgress as busy:
+            log("in_progress", correlation_id=correlation_id, retry_after=busy.retry_after)
+            return max(busy.retry_after, 0.2)
+        except dedupd.Stale as stale:
             log("stale", correlation_id=correlation_id, highest=stale.highest_committed_sequence)
             return True
-        except grpc.RpcError as error:
-            # The sidecar or its store is briefly away (a PostgreSQL restart,
-            # a sidecar restart): redeliver later, never process blind.
-            if error.code() != grpc.StatusCode.UNAVAILABLE:
-                raise
-            log("unavailable", correlation_id=correlation_id, detail=error.details())
-            return 0.5
+        except dedupd.Unavailable as away:
+            # The sidecar or its store is away for longer than the client's
+            # retries (a PostgreSQL restart, a sidecar restart): redeliver
+            # later, never process blind.
+            log("unavailable", correlation_id=correlation_id, detail=str(away))
+            return max(away.retry_after, 0.5)
 
     def write(self, event, claim):
         if event["type"] == "StatusUpdated":

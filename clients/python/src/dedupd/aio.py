@@ -1,0 +1,236 @@
+"""The asyncio client (`grpc.aio`), the same shape as `dedupd.Client`:
+`await client.process(id, handler)` and `async with client.claim(id) as
+claim:`; the lease is renewed by a task while the work runs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+from typing import Any, AsyncIterator, Awaitable, Callable, List, Optional, Sequence, Tuple, Union
+
+import grpc
+import grpc.aio
+
+from dedupd import _protocol as protocol
+from dedupd._connection import TLS, Retry, channel_options, metadata, target
+from dedupd._proto.dedup.v1 import dedup_pb2 as pb
+from dedupd._proto.dedup.v1 import dedup_pb2_grpc as pb_grpc
+from dedupd._protocol import (
+    Claim,
+    ClaimFields,
+    DedupError,
+    FingerprintMismatch,
+    InProgress,
+    Result,
+    Settings,
+    Stale,
+)
+
+#: A handler: a plain function or a coroutine function.
+Handler = Callable[[Claim], Union[Result, Awaitable[Result]]]
+
+
+class Client:
+    """A connection to one dedupd sidecar, for asyncio; arguments as
+    `dedupd.Client`. Create it inside the running event loop."""
+
+    def __init__(
+        self,
+        address: Optional[str] = None,
+        *,
+        namespace: str = "",
+        owner: str = "",
+        consumer_version: str = "",
+        lease: float = 30.0,
+        token: Optional[str] = None,
+        tls: Optional[TLS] = None,
+        timeout: float = 10.0,
+        retry: Retry = Retry(),
+    ) -> None:
+        grpc_target, tls = target(address, tls if tls is not None else TLS.from_env())
+        options = channel_options(grpc_target, tls)
+        self._channel = (
+            grpc.aio.secure_channel(grpc_target, tls.credentials(), options=options)
+            if tls is not None
+            else grpc.aio.insecure_channel(grpc_target, options=options)
+        )
+        # The generated stub is untyped; every call goes through _call.
+        self._stub: Any = pb_grpc.ClaimAndCommitStub(self._channel)  # type: ignore[no-untyped-call]
+        self._metadata = metadata(token)
+        self._timeout = timeout
+        self._retry = retry
+        self.settings = Settings(namespace, owner, consumer_version, lease)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "Client":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def _call(self, method: str, request: Any) -> Any:
+        rpc = getattr(self._stub, method)
+        for attempt in range(self._retry.attempts):
+            try:
+                return await rpc(request, metadata=self._metadata, timeout=self._timeout)
+            except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.UNAVAILABLE and attempt + 1 < self._retry.attempts:
+                    await asyncio.sleep(self._retry.delay(attempt))
+                    continue
+                raise protocol.translate(error, method, self._retry.max_delay) from None
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def claim_once(self, correlation_id: str, fields: ClaimFields = ClaimFields()) -> Claim:
+        """As `dedupd.Client.claim_once`."""
+        response = await self._call("Claim", protocol.claim_request(self.settings, correlation_id, fields))
+        result = protocol.claim_result(correlation_id, response)
+        if isinstance(result, Claim):
+            return result
+        raise result
+
+    async def commit(self, claim: Claim, response: Result = None, *, retention: Optional[float] = None) -> pb.Record:
+        """As `dedupd.Client.commit`."""
+        protocol.check_claimable(claim, "commit")
+        answer = await self._call("Commit", protocol.commit_request(claim, response, retention))
+        claim.settled = True
+        record: pb.Record = answer.record
+        return record
+
+    async def release(self, claim: Claim) -> None:
+        """As `dedupd.Client.release`."""
+        protocol.check_claimable(claim, "release")
+        try:
+            await self._call("Release", protocol.release_request(claim))
+        except protocol.LeaseLost:
+            pass  # Someone else holds it now, or it was committed: nothing to give back.
+        claim.settled = True
+
+    async def renew(self, claim: Claim) -> None:
+        """As `dedupd.Client.renew`."""
+        protocol.check_claimable(claim, "renew")
+        await self._call("Renew", protocol.renew_request(claim, self.settings))
+
+    async def lookup(self, correlation_id: str) -> Optional[pb.Record]:
+        """As `dedupd.Client.lookup`."""
+        answer = await self._call(
+            "Lookup", pb.LookupRequest(namespace=self.settings.namespace, correlation_id=correlation_id)
+        )
+        return answer.record if answer.found else None
+
+    @contextlib.asynccontextmanager
+    async def claim(
+        self,
+        correlation_id: str,
+        *,
+        event_type: str = "",
+        payload_fingerprint: str = "",
+        ordering_key: str = "",
+        sequence: Optional[int] = None,
+        retention: Optional[float] = None,
+    ) -> AsyncIterator[Claim]:
+        """As `dedupd.Client.claim`, with `async with`."""
+        fields = ClaimFields(event_type, payload_fingerprint, ordering_key, sequence, retention)
+        claim = await self.claim_once(correlation_id, fields)
+        if claim.duplicate:
+            yield claim
+            return
+        renewing = asyncio.create_task(self._renew_until_cancelled(claim))
+        try:
+            yield claim
+        except BaseException as error:
+            renewing.cancel()
+            await self._release_quietly(claim, error)
+            raise
+        finally:
+            renewing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewing
+        if not claim.settled:
+            await self.release(claim)
+
+    async def process(
+        self,
+        correlation_id: str,
+        handler: Handler,
+        *,
+        event_type: str = "",
+        payload_fingerprint: str = "",
+        ordering_key: str = "",
+        sequence: Optional[int] = None,
+        retention: Optional[float] = None,
+    ) -> bytes:
+        """As `dedupd.Client.process`; `handler` may be a coroutine function."""
+        async with self.claim(
+            correlation_id,
+            event_type=event_type,
+            payload_fingerprint=payload_fingerprint,
+            ordering_key=ordering_key,
+            sequence=sequence,
+            retention=retention,
+        ) as claim:
+            if claim.duplicate:
+                return claim.cached_response
+            result = handler(claim)
+            if inspect.isawaitable(result):
+                result = await result
+            record = await self.commit(claim, result)
+        return record.response
+
+    async def claim_many(
+        self, correlation_ids: Sequence[str], fields: ClaimFields = ClaimFields()
+    ) -> List[Union[Claim, InProgress, Stale, FingerprintMismatch]]:
+        """As `dedupd.Client.claim_many`."""
+        request = pb.ClaimBatchRequest(
+            items=[protocol.claim_request(self.settings, id_, fields) for id_ in correlation_ids]
+        )
+        answer = await self._call("ClaimBatch", request)
+        return [protocol.claim_result(id_, result) for id_, result in zip(correlation_ids, answer.results)]
+
+    async def commit_many(
+        self, commits: Sequence[Tuple[Claim, Result]]
+    ) -> List[Union[pb.Record, protocol.LeaseLost]]:
+        """As `dedupd.Client.commit_many`."""
+        for claim, _ in commits:
+            protocol.check_claimable(claim, "commit")
+        request = pb.CommitBatchRequest(items=[protocol.commit_request(c, r) for c, r in commits])
+        answer = await self._call("CommitBatch", request)
+        results: List[Union[pb.Record, protocol.LeaseLost]] = []
+        for (claim, _), result in zip(commits, answer.results):
+            if result.outcome == pb.COMMIT_OUTCOME_LEASE_LOST:
+                results.append(protocol.lease_lost(claim, "expired before the batch commit"))
+            else:
+                claim.settled = True
+                results.append(result.record)
+        return results
+
+    async def release_many(self, claims: Sequence[Claim]) -> None:
+        """As `dedupd.Client.release_many`."""
+        request = pb.ReleaseBatchRequest(
+            items=[protocol.release_request(claim) for claim in claims if not claim.duplicate]
+        )
+        await self._call("ReleaseBatch", request)
+        for claim in claims:
+            claim.settled = True
+
+    async def _release_quietly(self, claim: Claim, cause: BaseException) -> None:
+        try:
+            await self.release(claim)
+        except DedupError as failure:
+            note = f"dedupd: releasing {claim.correlation_id!r} failed too ({failure}); its lease will expire"
+            add_note = getattr(cause, "add_note", None)
+            if callable(add_note):
+                add_note(note)
+
+    async def _renew_until_cancelled(self, claim: Claim) -> None:
+        while True:
+            await asyncio.sleep(self.settings.lease / 3)
+            try:
+                await self.renew(claim)
+            except protocol.LeaseLost:
+                claim.lease_lost = True
+                return
+            except DedupError:
+                continue

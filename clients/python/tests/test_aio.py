@@ -1,0 +1,115 @@
+"""The asyncio client against the real sidecar: the same shape as the sync one."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+import dedupd
+import dedupd.aio
+from conftest import TOKEN, Certificates, Sidecar, free_port
+
+
+async def test_process_runs_a_coroutine_handler_once(sidecar: Sidecar) -> None:
+    calls: list[dedupd.Claim] = []
+
+    async def handle(claim: dedupd.Claim) -> bytes:
+        calls.append(claim)
+        await asyncio.sleep(0.01)
+        return b"handled"
+
+    async with dedupd.aio.Client(sidecar.address, namespace="payments") as client:
+        assert await client.process("a-1", handle) == b"handled"
+        assert await client.process("a-1", handle) == b"handled"
+        # A plain function works too.
+        assert await client.process("a-2", lambda claim: "plain") == b"plain"
+    assert len(calls) == 1
+
+
+async def test_concurrent_duplicates_run_the_handler_once(sidecar: Sidecar) -> None:
+    runs: list[int] = []
+
+    async def handle(claim: dedupd.Claim) -> bytes:
+        runs.append(claim.attempt)
+        await asyncio.sleep(0.2)
+        return b"once"
+
+    async with dedupd.aio.Client(sidecar.address) as client:
+        results = await asyncio.gather(
+            *(client.process("contended", handle) for _ in range(10)), return_exceptions=True
+        )
+    assert len(runs) == 1
+    assert results.count(b"once") == 1
+    assert all(isinstance(r, dedupd.InProgress) for r in results if r != b"once")
+
+
+async def test_a_failing_handler_releases_and_its_error_propagates(sidecar: Sidecar) -> None:
+    async def fail(claim: dedupd.Claim) -> bytes:
+        raise KeyError("no such account")
+
+    async with dedupd.aio.Client(sidecar.address) as client:
+        with pytest.raises(KeyError):
+            await client.process("a-3", fail)
+        async with client.claim("a-3") as claim:
+            assert claim.attempt == 2 and not claim.duplicate
+            await client.commit(claim, b"second time")
+        assert await client.process("a-3", fail) == b"second time"
+
+
+async def test_the_lease_is_renewed_by_a_task(sidecar: Sidecar) -> None:
+    async with dedupd.aio.Client(sidecar.address, lease=0.6) as client, dedupd.aio.Client(
+        sidecar.address
+    ) as other:
+        async with client.claim("a-long") as claim:
+            for _ in range(4):
+                await asyncio.sleep(0.4)
+                with pytest.raises(dedupd.InProgress):
+                    await other.claim_once("a-long")
+            await client.commit(claim, b"done")
+        assert not claim.lease_lost
+
+
+async def test_a_lost_lease_refuses_the_commit(sidecar: Sidecar) -> None:
+    async with dedupd.aio.Client(sidecar.address, lease=0.2) as client:
+        stalled = await client.claim_once("a-zombie")
+        await asyncio.sleep(0.4)
+        taken = await client.claim_once("a-zombie")
+        assert taken.recovered
+        with pytest.raises(dedupd.LeaseLost):
+            await client.commit(stalled, b"late")
+
+
+async def test_batches(sidecar: Sidecar) -> None:
+    async with dedupd.aio.Client(sidecar.address, namespace="kafka") as client:
+        results = await client.claim_many(["b-1", "b-2"])
+        claims = [r for r in results if isinstance(r, dedupd.Claim)]
+        assert len(claims) == 2
+        records = await client.commit_many([(claims[0], b"one"), (claims[1], b"two")])
+        assert [getattr(r, "response", None) for r in records] == [b"one", b"two"]
+        again = await client.claim_many(["b-1", "b-2", "b-3"])
+        assert [isinstance(r, dedupd.Claim) and r.duplicate for r in again] == [True, True, False]
+
+
+async def test_unix_socket(unix_sidecar: Sidecar) -> None:
+    async with dedupd.aio.Client(unix_sidecar.address) as client:
+        assert await client.process("a-unix", lambda c: b"ok") == b"ok"
+
+
+async def test_tls_and_token(secured_sidecar: Sidecar, certificates: Certificates) -> None:
+    tls = dedupd.TLS(ca=certificates.ca, cert=certificates.client_cert, key=certificates.client_key)
+    async with dedupd.aio.Client(secured_sidecar.address, tls=tls, token=TOKEN) as client:
+        assert await client.process("a-tls", lambda c: b"ok") == b"ok"
+    async with dedupd.aio.Client(secured_sidecar.address, tls=tls) as anonymous:
+        with pytest.raises(dedupd.DedupError) as refused:
+            await anonymous.claim_once("a-tls-2")
+        assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_unavailable_after_the_retries() -> None:
+    retry = dedupd.Retry(attempts=2, first_delay=0.01, max_delay=0.3)
+    async with dedupd.aio.Client(f"127.0.0.1:{free_port()}", retry=retry, timeout=2) as client:
+        with pytest.raises(dedupd.Unavailable) as failure:
+            await client.lookup("nobody-home")
+    assert failure.value.retry_after == 0.3
