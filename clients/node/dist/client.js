@@ -1,0 +1,291 @@
+"use strict";
+// The client: one method per RPC, and the shapes a consumer wants —
+// process(id, handler) with the lease renewed (and an AbortSignal that
+// fires if it is lost), and batches for Kafka-shaped polls.
+Object.defineProperty(exports, "__esModule", { value: true });
+exports.Client = void 0;
+const node_crypto_1 = require("node:crypto");
+const path = require("node:path");
+const grpc = require("@grpc/grpc-js");
+const protoLoader = require("@grpc/proto-loader");
+const errors_1 = require("./errors");
+const connection_1 = require("./connection");
+const PROTO_ROOT = path.join(__dirname, '..', 'proto');
+let service;
+function serviceConstructor() {
+    if (!service) {
+        const definition = protoLoader.loadSync(path.join(PROTO_ROOT, 'dedup/v1/dedup.proto'), {
+            includeDirs: [PROTO_ROOT],
+            keepCase: true,
+            longs: String,
+            enums: String,
+            defaults: true,
+        });
+        const loaded = grpc.loadPackageDefinition(definition);
+        service = loaded.dedup.v1.ClaimAndCommit;
+    }
+    return service;
+}
+const toDuration = (ms) => ({
+    seconds: String(Math.floor(ms / 1000)),
+    nanos: Math.round((ms % 1000) * 1e6),
+});
+const millis = (d) => (d ? Number(d.seconds) * 1000 + Math.round(d.nanos / 1e6) : 0);
+const date = (t) => t ? new Date(Number(t.seconds) * 1000 + Math.floor(t.nanos / 1e6)) : undefined;
+function asBuffer(result) {
+    if (result === null || result === undefined)
+        return Buffer.alloc(0);
+    if (typeof result === 'string')
+        return Buffer.from(result);
+    if (result instanceof Uint8Array)
+        return Buffer.from(result.buffer, result.byteOffset, result.byteLength);
+    throw new TypeError(`a handler's result must be a Buffer, Uint8Array, string or nothing, not ${typeof result}`);
+}
+function toRecord(raw) {
+    return {
+        namespace: raw.namespace,
+        correlationId: raw.correlation_id,
+        state: raw.state.replace('RECORD_STATE_', ''),
+        fencingToken: BigInt(raw.fencing_token),
+        attempt: raw.attempt,
+        eventType: raw.event_type,
+        consumerVersion: raw.consumer_version,
+        owner: raw.owner,
+        payloadFingerprint: raw.payload_fingerprint,
+        response: raw.response,
+        orderingKey: raw.ordering_key,
+        sequence: BigInt(raw.sequence),
+        leaseExpiresAt: date(raw.lease_expires_at),
+        claimedAt: date(raw.claimed_at),
+        committedAt: date(raw.committed_at),
+        retainUntil: date(raw.retain_until),
+    };
+}
+function need(value, what) {
+    if (value === null)
+        throw new errors_1.DedupError(`the sidecar's answer has no ${what}`);
+    return value;
+}
+class Client {
+    namespace;
+    owner;
+    consumerVersion;
+    leaseMs;
+    client;
+    metadata;
+    timeoutMs;
+    retry;
+    constructor(options = {}) {
+        const { target, credentials, options: channelOptions } = (0, connection_1.resolveTarget)(options.address, options.tls);
+        const Service = serviceConstructor();
+        this.client = new Service(target, credentials, channelOptions);
+        this.metadata = (0, connection_1.authMetadata)(options.token);
+        this.namespace = options.namespace ?? '';
+        this.owner = options.owner ?? '';
+        this.consumerVersion = options.consumerVersion ?? '';
+        this.leaseMs = options.leaseMs ?? 30000;
+        this.timeoutMs = options.timeoutMs ?? 10000;
+        this.retry = (0, connection_1.retryPolicy)(options.retry);
+    }
+    close() {
+        this.client.close();
+    }
+    async call(method, request) {
+        const rpc = this.client[method].bind(this.client);
+        for (let attempt = 0;; attempt += 1) {
+            try {
+                return await new Promise((resolve, reject) => {
+                    rpc(request, this.metadata, { deadline: Date.now() + this.timeoutMs }, (error, response) => error ? reject(error) : resolve(response));
+                });
+            }
+            catch (error) {
+                const failure = error;
+                if (failure.code === grpc.status.UNAVAILABLE && attempt + 1 < this.retry.attempts) {
+                    await new Promise((resolve) => setTimeout(resolve, (0, connection_1.backoff)(this.retry, attempt)));
+                    continue;
+                }
+                throw this.translate(failure, method);
+            }
+        }
+    }
+    translate(error, method) {
+        const code = typeof error.code === 'number' ? error.code : grpc.status.UNKNOWN;
+        const message = `${method}: ${grpc.status[code] ?? code}: ${error.details || error.message}`;
+        switch (code) {
+            case grpc.status.UNAVAILABLE:
+            case grpc.status.DEADLINE_EXCEEDED:
+            case grpc.status.RESOURCE_EXHAUSTED:
+                return new errors_1.Unavailable(message, code, this.retry.maxDelayMs);
+            case grpc.status.FAILED_PRECONDITION:
+                return new errors_1.LeaseLost(message, code);
+            default:
+                return new errors_1.DedupError(message, code);
+        }
+    }
+    claimRequest(correlationId, fields) {
+        return {
+            namespace: this.namespace,
+            correlation_id: correlationId,
+            owner: this.owner,
+            consumer_version: this.consumerVersion,
+            lease_ttl: toDuration(this.leaseMs),
+            event_type: fields.eventType ?? '',
+            payload_fingerprint: fields.payloadFingerprint ?? '',
+            ordering_key: fields.orderingKey ?? '',
+            // One per claim: a repeat whose answer was lost gets the same claim.
+            request_id: (0, node_crypto_1.randomUUID)(),
+            ...(fields.sequence !== undefined ? { sequence: String(fields.sequence) } : {}),
+            ...(fields.retentionMs !== undefined ? { retention: toDuration(fields.retentionMs) } : {}),
+        };
+    }
+    claimResult(correlationId, answer) {
+        switch (answer.outcome) {
+            case 'CLAIM_OUTCOME_CLAIMED':
+            case 'CLAIM_OUTCOME_DUPLICATE': {
+                const record = need(answer.record, 'record');
+                const duplicate = answer.outcome === 'CLAIM_OUTCOME_DUPLICATE';
+                return {
+                    // The record names the namespace the sidecar used (its default
+                    // when ours is empty).
+                    namespace: record.namespace,
+                    correlationId,
+                    leaseToken: answer.lease_token,
+                    fencingToken: BigInt(answer.fencing_token),
+                    attempt: duplicate ? record.attempt : answer.attempt,
+                    recovered: answer.recovered,
+                    duplicate,
+                    cachedResponse: duplicate ? record.response : Buffer.alloc(0),
+                };
+            }
+            case 'CLAIM_OUTCOME_IN_PROGRESS':
+                return new errors_1.InProgress(correlationId, millis(answer.retry_after));
+            case 'CLAIM_OUTCOME_STALE':
+                return new errors_1.Stale(correlationId, BigInt(answer.highest_committed_sequence));
+            case 'CLAIM_OUTCOME_FINGERPRINT_MISMATCH':
+                return new errors_1.FingerprintMismatch(correlationId, answer.record?.payload_fingerprint ?? '');
+            default:
+                throw new errors_1.DedupError(`unknown claim outcome ${answer.outcome} for ${JSON.stringify(correlationId)}`);
+        }
+    }
+    static key(claim) {
+        return { namespace: claim.namespace, correlation_id: claim.correlationId, lease_token: claim.leaseToken };
+    }
+    static claimable(claim, action) {
+        if (claim.duplicate) {
+            throw new errors_1.DedupError(`${JSON.stringify(claim.correlationId)} is a duplicate: there is nothing to ${action}`);
+        }
+    }
+    /** Claims the key: a Claim (check `duplicate`), or throws InProgress,
+     * Stale or FingerprintMismatch. The lease is not renewed. */
+    async claimOnce(correlationId, fields = {}) {
+        const answer = await this.call('Claim', this.claimRequest(correlationId, fields));
+        const result = this.claimResult(correlationId, answer);
+        if (result instanceof Error)
+            throw result;
+        return result;
+    }
+    /** Commits after the business write; `response` goes to duplicates.
+     * Throws LeaseLost if the lease no longer holds the key. */
+    async commit(claim, response, options = {}) {
+        Client.claimable(claim, 'commit');
+        const request = {
+            ...Client.key(claim),
+            response: asBuffer(response),
+            ...(options.retentionMs !== undefined ? { retention: toDuration(options.retentionMs) } : {}),
+        };
+        const answer = await this.call('Commit', request);
+        return toRecord(need(answer.record, 'record'));
+    }
+    /** Releases after a failure; a redelivery may claim at once. Releasing a
+     * claim that expired or was released already is not an error. */
+    async release(claim) {
+        Client.claimable(claim, 'release');
+        try {
+            await this.call('Release', Client.key(claim));
+        }
+        catch (error) {
+            if (!(error instanceof errors_1.LeaseLost))
+                throw error;
+        }
+    }
+    /** Extends the lease by `leaseMs` from now. */
+    async renew(claim) {
+        Client.claimable(claim, 'renew');
+        await this.call('Renew', { ...Client.key(claim), lease_ttl: toDuration(this.leaseMs) });
+    }
+    /** The key's record, or null. */
+    async lookup(correlationId) {
+        const answer = await this.call('Lookup', {
+            namespace: this.namespace,
+            correlation_id: correlationId,
+        });
+        return answer.found && answer.record ? toRecord(answer.record) : null;
+    }
+    /** Runs `handler(claim, signal)` at most once per correlation ID and
+     * resolves to its result (as stored); a duplicate resolves to the first
+     * result without calling it. The lease is renewed every third of it while
+     * the handler runs; `signal` aborts if it is lost. If the handler throws,
+     * the claim is released and the handler's error rethrown — a failing
+     * release never replaces it. */
+    async process(correlationId, handler, fields = {}) {
+        const claim = await this.claimOnce(correlationId, fields);
+        if (claim.duplicate)
+            return claim.cachedResponse;
+        const lease = new AbortController();
+        const renewing = setInterval(() => {
+            this.renew(claim).catch((error) => {
+                if (error instanceof errors_1.LeaseLost) {
+                    clearInterval(renewing);
+                    lease.abort(error);
+                }
+                // Anything else: try again at the next beat; the lease has two left.
+            });
+        }, this.leaseMs / 3);
+        let result;
+        try {
+            result = await handler(claim, lease.signal);
+        }
+        catch (error) {
+            clearInterval(renewing);
+            try {
+                await this.release(claim);
+            }
+            catch (failure) {
+                if (error instanceof Error) {
+                    error.releaseError = failure;
+                }
+            }
+            throw error;
+        }
+        clearInterval(renewing);
+        const record = await this.commit(claim, result);
+        return record.response;
+    }
+    /** Claims a batch (a Kafka poll, say) in one call and one disk sync: one
+     * result per ID, in order — a Claim (check `duplicate`) or the error its
+     * outcome stands for, returned, not thrown. Leases are not renewed. */
+    async claimMany(correlationIds, fields = {}) {
+        const answer = await this.call('ClaimBatch', {
+            items: correlationIds.map((id) => this.claimRequest(id, fields)),
+        });
+        return answer.results.map((result, index) => this.claimResult(correlationIds[index], result));
+    }
+    /** Commits a batch: per item the committed record, or LeaseLost. */
+    async commitMany(commits) {
+        for (const [claim] of commits)
+            Client.claimable(claim, 'commit');
+        const answer = await this.call('CommitBatch', {
+            items: commits.map(([claim, response]) => ({ ...Client.key(claim), response: asBuffer(response) })),
+        });
+        return answer.results.map((result, index) => result.outcome === 'COMMIT_OUTCOME_LEASE_LOST'
+            ? new errors_1.LeaseLost(`the lease on ${JSON.stringify(commits[index][0].correlationId)} expired before the batch commit`)
+            : toRecord(need(result.record, 'record')));
+    }
+    /** Releases a batch (duplicates and claims no longer held are skipped). */
+    async releaseMany(claims) {
+        await this.call('ReleaseBatch', {
+            items: claims.filter((claim) => !claim.duplicate).map((claim) => Client.key(claim)),
+        });
+    }
+}
+exports.Client = Client;

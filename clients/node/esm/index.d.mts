@@ -1,0 +1,3 @@
+export * from '../dist/index.js';
+import * as dedupd from '../dist/index.js';
+export default dedupd;
