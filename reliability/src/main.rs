@@ -1,0 +1,230 @@
+//! `dedupd-reliability`: the long runs of the reliability suite, each with
+//! a bounded run time, printing its figures (see RELIABILITY.md).
+
+use std::{path::PathBuf, process::ExitCode, time::Instant};
+
+use clap::{Parser, Subcommand, ValueEnum};
+use dedupd_reliability::{checker, history, runner};
+
+#[derive(Debug, Parser)]
+#[command(name = "dedupd-reliability", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Record a history of concurrent calls (with SIGKILLs of the sidecar)
+    /// and check it is linearizable.
+    Lincheck(LincheckArgs),
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum StoreKind {
+    Sled,
+    Postgres,
+    Redis,
+}
+
+#[derive(Debug, clap::Args)]
+struct LincheckArgs {
+    /// The dedupd binary.
+    #[arg(long, default_value = "target/release/dedupd")]
+    dedupd: PathBuf,
+    /// The store the sidecar runs on.
+    #[arg(long, value_enum, default_value = "sled")]
+    store: StoreKind,
+    /// PostgreSQL URL (the store's schema is made fresh and dropped after).
+    #[arg(long, default_value = "postgres://postgres@127.0.0.1:5432/test")]
+    postgres_url: String,
+    /// Redis URL (keys go under a fresh prefix).
+    #[arg(long, default_value = "redis://127.0.0.1:6379/0")]
+    redis_url: String,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 16)]
+    clients: usize,
+    /// Keys they share at any moment.
+    #[arg(long, default_value_t = 4)]
+    keys: u32,
+    /// How long one set of keys is in use before the clients move on to a
+    /// fresh one.
+    #[arg(long, default_value = "500ms")]
+    generation: humantime::Duration,
+    /// How long the clients run.
+    #[arg(long, default_value = "20s")]
+    duration: humantime::Duration,
+    /// SIGKILLs of the sidecar during the run.
+    #[arg(long, default_value_t = 2)]
+    kills: usize,
+    /// The sidecar's --sync (`none` loses the last acknowledged changes on
+    /// SIGKILL: the checker should say so).
+    #[arg(long, default_value = "always")]
+    sync: String,
+    /// Seed of the clients' choices (random when unset).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Write the operations of keys found not linearizable here (one per
+    /// line, Rust debug form) for a look at what happened.
+    #[arg(long)]
+    dump: Option<PathBuf>,
+    /// CI's bounded run: 8 s and one SIGKILL (overrides --duration and
+    /// --kills); still fails under 10 000 operations.
+    #[arg(long)]
+    quick: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    match cli.command {
+        Command::Lincheck(args) => runtime.block_on(lincheck(args)),
+    }
+}
+
+/// The fewest operations a history must have to count (issue 16).
+const MIN_OPERATIONS: usize = 10_000;
+
+async fn lincheck(mut args: LincheckArgs) -> ExitCode {
+    if args.quick {
+        args.duration = std::time::Duration::from_secs(8).into();
+        args.kills = 1;
+    }
+    let data = match tempfile_dir() {
+        Ok(dir) => dir,
+        Err(error) => {
+            eprintln!("dedupd-reliability: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let seed = args.seed.unwrap_or_else(rand::random);
+    let scope = format!("lincheck_{seed:016x}");
+    let mut store_flags: Vec<String> = match args.store {
+        StoreKind::Sled => vec![],
+        StoreKind::Postgres => vec![
+            "--store".into(),
+            "postgres".into(),
+            "--store-url".into(),
+            args.postgres_url.clone(),
+            "--store-schema".into(),
+            scope.clone(),
+        ],
+        StoreKind::Redis => vec![
+            "--store".into(),
+            "redis".into(),
+            "--store-url".into(),
+            args.redis_url.clone(),
+            "--store-schema".into(),
+            scope.clone(),
+        ],
+    };
+    store_flags.extend(["--sync".to_owned(), args.sync.clone()]);
+    let config = runner::RunConfig {
+        binary: args.dedupd.clone(),
+        store_flags,
+        data_dir: data.clone(),
+        clients: args.clients,
+        keys: args.keys,
+        generation: args.generation.into(),
+        duration: args.duration.into(),
+        kills: args.kills,
+        lease_ms: (50, 400),
+        seed,
+    };
+    let run = runner::run(config).await;
+    let _ = std::fs::remove_dir_all(&data);
+    drop_shared_records(&args, &scope);
+    let run = match run {
+        Ok(run) => run,
+        Err(error) => {
+            eprintln!("dedupd-reliability: the run failed: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let checking = Instant::now();
+    let report = checker::check(&run.history);
+    let figures = serde_json::json!({
+        "store": format!("{:?}", args.store).to_lowercase(),
+        "seed": seed,
+        "clients": args.clients,
+        "keys": args.keys,
+        "duration_s": args.duration.as_secs_f64(),
+        "operations": report.operations,
+        "answered": report.answered,
+        "unknown": report.operations - report.answered,
+        "kills": run.kills,
+        "downtime_ms": run.downtime.as_millis() as u64,
+        "states_explored": report.states_explored,
+        "check_ms": checking.elapsed().as_millis() as u64,
+        "violations": report.violations.iter().filter(|v| !v.undecided).count(),
+        "undecided": report.violations.iter().filter(|v| v.undecided).count(),
+        "answers": history::answer_counts(&run.history),
+    });
+    println!("{figures}");
+    if report.violations.is_empty()
+        && report.operations >= MIN_OPERATIONS
+        && run.kills == args.kills
+    {
+        ExitCode::SUCCESS
+    } else if report.violations.is_empty() {
+        eprintln!(
+            "dedupd-reliability: too small a history: {} operations (at least {MIN_OPERATIONS}), {} of {} kills",
+            report.operations, run.kills, args.kills
+        );
+        ExitCode::FAILURE
+    } else {
+        for violation in &report.violations {
+            eprintln!("not linearizable: {violation:?}");
+        }
+        if let Some(path) = &args.dump {
+            let bad: std::collections::HashSet<u32> =
+                report.violations.iter().map(|v| v.key).collect();
+            let mut lines: Vec<&history::Operation> = run
+                .history
+                .iter()
+                .filter(|op| bad.contains(&op.key))
+                .collect();
+            lines.sort_by_key(|op| (op.key, op.invoked_ms, op.completed_ms));
+            let text: String = lines.iter().map(|op| format!("{op:?}\n")).collect();
+            if let Err(error) = std::fs::write(path, text) {
+                eprintln!("dedupd-reliability: {}: {error}", path.display());
+            }
+        }
+        ExitCode::FAILURE
+    }
+}
+
+fn tempfile_dir() -> Result<PathBuf, String> {
+    let dir = std::env::temp_dir().join(format!("dedupd-lincheck-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    Ok(dir)
+}
+
+/// Removes what the run left in a shared store (best effort: psql and
+/// redis-cli, as the benchmark scripts do).
+fn drop_shared_records(args: &LincheckArgs, scope: &str) {
+    let outcome = match args.store {
+        StoreKind::Sled => return,
+        StoreKind::Postgres => std::process::Command::new("psql")
+            .args([args.postgres_url.as_str(), "-qc"])
+            .arg(format!("DROP SCHEMA IF EXISTS {scope} CASCADE"))
+            .output(),
+        StoreKind::Redis => std::process::Command::new("redis-cli")
+            .args(["-u", args.redis_url.as_str(), "EVAL"])
+            .arg("for _, key in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('DEL', key) end")
+            .args(["0", &format!("{scope}:*")])
+            .output(),
+    };
+    match outcome {
+        Ok(output) if output.status.success() => {}
+        Ok(output) => eprintln!(
+            "dedupd-reliability: could not remove {scope}: {}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        ),
+        Err(error) => eprintln!("dedupd-reliability: could not remove {scope}: {error}"),
+    }
+}

@@ -1,0 +1,441 @@
+//! Records a history against the real `dedupd` binary: many clients on a
+//! few keys (so they contend), short leases (so they run out mid-run and
+//! get taken over), stale tokens (so refusals are exercised), and the
+//! sidecar killed with SIGKILL and restarted on the same store mid-run.
+
+use std::{
+    path::PathBuf,
+    process::Stdio,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use dedupd::proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use tokio::process::{Child, Command};
+use tonic::{transport::Channel, Code};
+
+use crate::history::{Answer, Call, Operation, Released, State, Token};
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    /// The `dedupd` binary.
+    pub binary: PathBuf,
+    /// Extra flags: the store (`--store postgres --store-url …`).
+    pub store_flags: Vec<String>,
+    /// Where sled (or the local tier) keeps its files.
+    pub data_dir: PathBuf,
+    /// Concurrent clients.
+    pub clients: usize,
+    /// Keys they share at any moment (a fresh set every `generation`, so
+    /// committed keys do not leave nothing but duplicates to answer).
+    pub keys: u32,
+    /// How long one set of keys is in use.
+    pub generation: Duration,
+    /// How long the clients run.
+    pub duration: Duration,
+    /// SIGKILLs of the sidecar, spread over the run.
+    pub kills: usize,
+    /// Leases are drawn from this range (ms).
+    pub lease_ms: (u64, u64),
+    /// Seed of the clients' choices.
+    pub seed: u64,
+}
+
+/// A recorded run.
+#[derive(Debug)]
+pub struct Run {
+    /// Every operation.
+    pub history: Vec<Operation>,
+    /// SIGKILLs done.
+    pub kills: usize,
+    /// How long the sidecar was down in all.
+    pub downtime: Duration,
+}
+
+/// No answer within this is an unknown outcome.
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// The sidecar's own request timeout: a call it received may still take
+/// effect this long after the client gave up.
+const SERVER_REQUEST_TIMEOUT_MS: u64 = 10_000;
+/// Records are kept far longer than the run: retention never ends one.
+const RETENTION: &str = "1h";
+
+fn now_floor_ms() -> u64 {
+    let since = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("after 1970");
+    since.as_millis() as u64
+}
+
+fn now_ceil_ms() -> u64 {
+    let since = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("after 1970");
+    since.as_millis() as u64 + u64::from(!since.subsec_nanos().is_multiple_of(1_000_000))
+}
+
+struct Sidecar {
+    child: Child,
+}
+
+async fn start(config: &RunConfig, port: u16) -> Result<Sidecar, String> {
+    let ready = config.data_dir.join("ready.json");
+    let _ = std::fs::remove_file(&ready);
+    let child = Command::new(&config.binary)
+        .args([
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--metrics-listen",
+            "off",
+        ])
+        .args(["--default-retention", RETENTION, "--log", "warn"])
+        .arg("--data-dir")
+        .arg(config.data_dir.join("data"))
+        .arg("--ready-file")
+        .arg(&ready)
+        .args(&config.store_flags)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| format!("cannot start {}: {e}", config.binary.display()))?;
+    let mut sidecar = Sidecar { child };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !ready.exists() {
+        if let Ok(Some(status)) = sidecar.child.try_wait() {
+            return Err(format!("dedupd exited at start: {status}"));
+        }
+        if Instant::now() > deadline {
+            return Err("dedupd was not ready within 30 s".into());
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    Ok(sidecar)
+}
+
+/// Runs the clients and the killer; returns the history.
+pub async fn run(config: RunConfig) -> Result<Run, String> {
+    std::fs::create_dir_all(&config.data_dir).map_err(|e| e.to_string())?;
+    let port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+        probe.local_addr().map_err(|e| e.to_string())?.port()
+    };
+    let mut sidecar = start(&config, port).await?;
+    let history = Arc::new(Mutex::new(Vec::new()));
+    let started = Instant::now();
+    let deadline = started + config.duration;
+    let mut clients = tokio::task::JoinSet::new();
+    for client in 0..config.clients {
+        let (history, config) = (Arc::clone(&history), config.clone());
+        clients.spawn(async move {
+            let channel = Channel::from_shared(format!("http://127.0.0.1:{port}"))
+                .expect("a valid URI")
+                .connect_timeout(Duration::from_secs(1))
+                .timeout(CALL_TIMEOUT)
+                .connect_lazy();
+            let mut worker = Client {
+                id: client,
+                rpc: ClaimAndCommitClient::new(channel),
+                rng: StdRng::seed_from_u64(config.seed ^ (client as u64).wrapping_mul(0x9e37_79b9)),
+                held: Vec::new(),
+                config,
+            };
+            while Instant::now() < deadline {
+                let operation = worker.step(started).await?;
+                let failed = operation.answer == Answer::Unknown;
+                history.lock().expect("history lock").push(operation);
+                if failed {
+                    tokio::time::sleep(Duration::from_millis(20)).await; // the sidecar is away
+                }
+            }
+            Ok::<(), String>(())
+        });
+    }
+    let mut kills = 0;
+    let mut downtime = Duration::ZERO;
+    for kill in 1..=config.kills {
+        let at = started
+            + config
+                .duration
+                .mul_f64(kill as f64 / (config.kills + 1) as f64);
+        tokio::time::sleep_until(at.into()).await;
+        sidecar
+            .child
+            .start_kill()
+            .map_err(|e| format!("SIGKILL: {e}"))?;
+        let _ = sidecar.child.wait().await;
+        let down = Instant::now();
+        sidecar = start(&config, port).await?;
+        downtime += down.elapsed();
+        kills += 1;
+    }
+    while let Some(result) = clients.join_next().await {
+        result.map_err(|e| format!("a client panicked: {e}"))??;
+    }
+    drop(sidecar);
+    let history = std::mem::take(&mut *history.lock().expect("history lock"));
+    Ok(Run {
+        history,
+        kills,
+        downtime,
+    })
+}
+
+enum Exchange {
+    Status(tonic::Status),
+    Surprise(String),
+}
+
+struct Client {
+    id: usize,
+    rpc: ClaimAndCommitClient<Channel>,
+    rng: StdRng,
+    /// Tokens this client was granted, newest last (older ones go stale).
+    held: Vec<(u32, Token)>,
+    config: RunConfig,
+}
+
+fn correlation_id(key: u32) -> String {
+    format!("key-{key}")
+}
+
+fn duration(ms: u64) -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: (ms / 1000) as i64,
+        nanos: ((ms % 1000) * 1_000_000) as i32,
+    }
+}
+
+fn millis(duration: Option<&prost_types::Duration>) -> u64 {
+    duration.map_or(0, |d| d.seconds as u64 * 1000 + d.nanos as u64 / 1_000_000)
+}
+
+fn timestamp_ms(timestamp: Option<&prost_types::Timestamp>) -> u64 {
+    timestamp.map_or(0, |t| t.seconds as u64 * 1000 + t.nanos as u64 / 1_000_000)
+}
+
+fn token_of(text: &str) -> Result<Token, String> {
+    Token::from_str_radix(text, 16).map_err(|_| format!("lease token {text:?} is not hex"))
+}
+
+impl Client {
+    /// One random call, recorded.
+    async fn step(&mut self, started: Instant) -> Result<Operation, String> {
+        let generation =
+            (started.elapsed().as_millis() / self.config.generation.as_millis().max(1)) as u32;
+        let key = generation * self.config.keys + self.rng.random_range(0..self.config.keys);
+        let mine: Vec<Token> = self
+            .held
+            .iter()
+            .filter(|(k, _)| *k == key)
+            .map(|(_, t)| *t)
+            .collect();
+        let lease_ms = self
+            .rng
+            .random_range(self.config.lease_ms.0..=self.config.lease_ms.1);
+        let roll = self.rng.random_range(0..100);
+        let call = match mine.last() {
+            // No token for this key: mostly claim it.
+            None if roll < 75 => Call::Claim { lease_ms },
+            None => Call::Lookup,
+            Some(&token) => {
+                // Sometimes an older token: it should be refused.
+                let token = if roll % 7 == 0 { mine[0] } else { token };
+                match roll {
+                    0..=29 => Call::Commit { token },
+                    30..=44 => Call::Release { token },
+                    45..=69 => Call::Renew { token, lease_ms },
+                    70..=84 => Call::Lookup,
+                    _ => Call::Claim { lease_ms },
+                }
+            }
+        };
+        // Now and then a holder stalls past its lease, so others take over.
+        if !mine.is_empty() && roll >= 90 {
+            tokio::time::sleep(Duration::from_millis(self.config.lease_ms.1)).await;
+        }
+        let invoked_ms = now_floor_ms();
+        let answer = self.send(key, &call).await?;
+        let completed_ms = now_ceil_ms();
+        let answer = match answer {
+            Ok(answer) => answer,
+            Err(status) => match status.code() {
+                Code::FailedPrecondition => Answer::LeaseLost,
+                Code::Unavailable | Code::Unknown | Code::Cancelled | Code::Internal => {
+                    Answer::Unknown
+                }
+                Code::DeadlineExceeded => {
+                    let operation = Operation {
+                        client: self.id,
+                        key,
+                        call,
+                        invoked_ms,
+                        completed_ms: completed_ms + SERVER_REQUEST_TIMEOUT_MS,
+                        answer: Answer::Unknown,
+                    };
+                    return Ok(operation);
+                }
+                other => {
+                    return Err(format!(
+                        "{call:?} on key {key}: unexpected {other:?}: {}",
+                        status.message()
+                    ))
+                }
+            },
+        };
+        match &answer {
+            Answer::Claimed { token, .. } => {
+                self.held.push((key, *token));
+                // Keep a few: old ones are the stale tokens.
+                if self.held.len() > 8 {
+                    self.held.remove(0);
+                }
+            }
+            Answer::Committed { .. } | Answer::Release(_) => {
+                if let Call::Commit { token } | Call::Release { token } = call {
+                    self.held.retain(|(_, t)| *t != token);
+                }
+            }
+            _ => {}
+        }
+        Ok(Operation {
+            client: self.id,
+            key,
+            call,
+            invoked_ms,
+            completed_ms,
+            answer,
+        })
+    }
+
+    /// The answer; Err(status) when the call failed; a protocol surprise
+    /// (an outcome this call cannot have) ends the run.
+    async fn send(
+        &mut self,
+        key: u32,
+        call: &Call,
+    ) -> Result<Result<Answer, tonic::Status>, String> {
+        match self.exchange(key, call).await {
+            Ok(answer) => Ok(Ok(answer)),
+            Err(Exchange::Status(status)) => Ok(Err(status)),
+            Err(Exchange::Surprise(surprise)) => Err(format!("{call:?} on key {key}: {surprise}")),
+        }
+    }
+
+    async fn exchange(&mut self, key: u32, call: &Call) -> Result<Answer, Exchange> {
+        let correlation_id = correlation_id(key);
+        let bad = Exchange::Surprise;
+        Ok(match call {
+            Call::Claim { lease_ms } => {
+                let answer = self
+                    .rpc
+                    .claim(pb::ClaimRequest {
+                        correlation_id,
+                        lease_ttl: Some(duration(*lease_ms)),
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(Exchange::Status)?
+                    .into_inner();
+                let record = answer.record.unwrap_or_default();
+                match pb::ClaimOutcome::try_from(answer.outcome) {
+                    Ok(pb::ClaimOutcome::Claimed) => Answer::Claimed {
+                        token: token_of(&answer.lease_token).map_err(Exchange::Surprise)?,
+                        fencing: answer.fencing_token,
+                        attempt: answer.attempt,
+                        recovered: answer.recovered,
+                        lease_expires_ms: timestamp_ms(answer.lease_expires_at.as_ref()),
+                    },
+                    Ok(pb::ClaimOutcome::Duplicate) => Answer::Duplicate {
+                        fencing: answer.fencing_token,
+                        attempt: record.attempt,
+                    },
+                    Ok(pb::ClaimOutcome::InProgress) => Answer::InProgress {
+                        retry_after_ms: millis(answer.retry_after.as_ref()),
+                    },
+                    other => return Err(bad(format!("unexpected claim outcome {other:?}"))),
+                }
+            }
+            Call::Commit { token } => {
+                let answer = self
+                    .rpc
+                    .commit(pb::CommitRequest {
+                        correlation_id,
+                        lease_token: format!("{token:032x}"),
+                        response: b"done".to_vec(),
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(Exchange::Status)?
+                    .into_inner();
+                match pb::CommitOutcome::try_from(answer.outcome) {
+                    Ok(pb::CommitOutcome::Committed) => Answer::Committed { already: false },
+                    Ok(pb::CommitOutcome::AlreadyCommitted) => Answer::Committed { already: true },
+                    other => return Err(bad(format!("unexpected commit outcome {other:?}"))),
+                }
+            }
+            Call::Release { token } => {
+                let answer = self
+                    .rpc
+                    .release(pb::ReleaseRequest {
+                        correlation_id,
+                        lease_token: format!("{token:032x}"),
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(Exchange::Status)?
+                    .into_inner();
+                match pb::ReleaseOutcome::try_from(answer.outcome) {
+                    Ok(pb::ReleaseOutcome::Released) => Answer::Release(Released::Released),
+                    Ok(pb::ReleaseOutcome::AlreadyReleased) => {
+                        Answer::Release(Released::AlreadyReleased)
+                    }
+                    Ok(pb::ReleaseOutcome::NotFound) => Answer::Release(Released::NotFound),
+                    other => return Err(bad(format!("unexpected release outcome {other:?}"))),
+                }
+            }
+            Call::Renew { token, lease_ms } => {
+                let answer = self
+                    .rpc
+                    .renew(pb::RenewRequest {
+                        correlation_id,
+                        lease_token: format!("{token:032x}"),
+                        lease_ttl: Some(duration(*lease_ms)),
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(Exchange::Status)?
+                    .into_inner();
+                Answer::Renewed {
+                    lease_expires_ms: timestamp_ms(answer.lease_expires_at.as_ref()),
+                }
+            }
+            Call::Lookup => {
+                let answer = self
+                    .rpc
+                    .lookup(pb::LookupRequest {
+                        correlation_id,
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(Exchange::Status)?
+                    .into_inner();
+                match (answer.found, answer.record) {
+                    (true, Some(record)) => Answer::Found {
+                        state: match pb::RecordState::try_from(record.state) {
+                            Ok(pb::RecordState::Claimed) => State::Claimed,
+                            Ok(pb::RecordState::Committed) => State::Committed,
+                            Ok(pb::RecordState::Released) => State::Released,
+                            other => return Err(bad(format!("unexpected record state {other:?}"))),
+                        },
+                        fencing: record.fencing_token,
+                        attempt: record.attempt,
+                    },
+                    _ => Answer::Absent,
+                }
+            }
+        })
+    }
+}
