@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import grpc
 from google.protobuf import duration_pb2
@@ -247,3 +247,37 @@ def translate(error: grpc.RpcError, method: str, retry_after: float) -> DedupErr
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return LeaseLost(message, code)
     return DedupError(message, code)
+
+
+def claim_batch_request(settings: Settings, correlation_ids: "Sequence[str]", fields: ClaimFields) -> pb.ClaimBatchRequest:
+    return pb.ClaimBatchRequest(items=[claim_request(settings, id_, fields) for id_ in correlation_ids])
+
+
+def claim_batch_results(
+    correlation_ids: "Sequence[str]", response: pb.ClaimBatchResponse
+) -> "List[Union[Claim, InProgress, Stale, FingerprintMismatch]]":
+    return [claim_result(id_, result) for id_, result in zip(correlation_ids, response.results)]
+
+
+def commit_batch_request(commits: "Sequence[Tuple[Claim, Result]]") -> pb.CommitBatchRequest:
+    for claim, _ in commits:
+        check_claimable(claim, "commit")
+    return pb.CommitBatchRequest(items=[commit_request(claim, result) for claim, result in commits])
+
+
+def commit_batch_results(
+    commits: "Sequence[Tuple[Claim, Result]]", response: pb.CommitBatchResponse
+) -> "List[Union[pb.Record, LeaseLost]]":
+    """Per item the committed record (the claim marked settled), or LeaseLost."""
+    results: "List[Union[pb.Record, LeaseLost]]" = []
+    for (claim, _), result in zip(commits, response.results):
+        if result.outcome == pb.COMMIT_OUTCOME_LEASE_LOST:
+            results.append(lease_lost(claim, "expired before the batch commit"))
+        else:
+            claim.settled = True
+            results.append(result.record)
+    return results
+
+
+def release_batch_request(claims: "Sequence[Claim]") -> pb.ReleaseBatchRequest:
+    return pb.ReleaseBatchRequest(items=[release_request(claim) for claim in claims if not claim.duplicate])

@@ -183,35 +183,19 @@ class Client:
         self, correlation_ids: Sequence[str], fields: ClaimFields = ClaimFields()
     ) -> List[Union[Claim, InProgress, Stale, FingerprintMismatch]]:
         """As `dedupd.Client.claim_many`."""
-        request = pb.ClaimBatchRequest(
-            items=[protocol.claim_request(self.settings, id_, fields) for id_ in correlation_ids]
-        )
-        answer = await self._call("ClaimBatch", request)
-        return [protocol.claim_result(id_, result) for id_, result in zip(correlation_ids, answer.results)]
+        request = protocol.claim_batch_request(self.settings, correlation_ids, fields)
+        return protocol.claim_batch_results(correlation_ids, await self._call("ClaimBatch", request))
 
     async def commit_many(
         self, commits: Sequence[Tuple[Claim, Result]]
     ) -> List[Union[pb.Record, protocol.LeaseLost]]:
         """As `dedupd.Client.commit_many`."""
-        for claim, _ in commits:
-            protocol.check_claimable(claim, "commit")
-        request = pb.CommitBatchRequest(items=[protocol.commit_request(c, r) for c, r in commits])
-        answer = await self._call("CommitBatch", request)
-        results: List[Union[pb.Record, protocol.LeaseLost]] = []
-        for (claim, _), result in zip(commits, answer.results):
-            if result.outcome == pb.COMMIT_OUTCOME_LEASE_LOST:
-                results.append(protocol.lease_lost(claim, "expired before the batch commit"))
-            else:
-                claim.settled = True
-                results.append(result.record)
-        return results
+        answer = await self._call("CommitBatch", protocol.commit_batch_request(commits))
+        return protocol.commit_batch_results(commits, answer)
 
     async def release_many(self, claims: Sequence[Claim]) -> None:
         """As `dedupd.Client.release_many`."""
-        request = pb.ReleaseBatchRequest(
-            items=[protocol.release_request(claim) for claim in claims if not claim.duplicate]
-        )
-        await self._call("ReleaseBatch", request)
+        await self._call("ReleaseBatch", protocol.release_batch_request(claims))
         for claim in claims:
             claim.settled = True
 

@@ -200,33 +200,17 @@ class Client:
         one result per ID, in order — a `Claim` (check `.duplicate`) or the
         exception its outcome stands for, returned, not raised. The leases
         are not renewed: process the batch within `lease`, or `renew`."""
-        request = pb.ClaimBatchRequest(
-            items=[protocol.claim_request(self.settings, id_, fields) for id_ in correlation_ids]
-        )
-        answer = self._call("ClaimBatch", request)
-        return [protocol.claim_result(id_, result) for id_, result in zip(correlation_ids, answer.results)]
+        request = protocol.claim_batch_request(self.settings, correlation_ids, fields)
+        return protocol.claim_batch_results(correlation_ids, self._call("ClaimBatch", request))
 
     def commit_many(self, commits: Sequence[Tuple[Claim, Result]]) -> List[Union[pb.Record, protocol.LeaseLost]]:
         """Commits a batch: per item the committed record, or `LeaseLost`."""
-        for claim, _ in commits:
-            protocol.check_claimable(claim, "commit")
-        request = pb.CommitBatchRequest(items=[protocol.commit_request(c, r) for c, r in commits])
-        answer = self._call("CommitBatch", request)
-        results: List[Union[pb.Record, protocol.LeaseLost]] = []
-        for (claim, _), result in zip(commits, answer.results):
-            if result.outcome == pb.COMMIT_OUTCOME_LEASE_LOST:
-                results.append(protocol.lease_lost(claim, "expired before the batch commit"))
-            else:
-                claim.settled = True
-                results.append(result.record)
-        return results
+        answer = self._call("CommitBatch", protocol.commit_batch_request(commits))
+        return protocol.commit_batch_results(commits, answer)
 
     def release_many(self, claims: Sequence[Claim]) -> None:
         """Releases a batch (those no longer held are skipped)."""
-        request = pb.ReleaseBatchRequest(
-            items=[protocol.release_request(claim) for claim in claims if not claim.duplicate]
-        )
-        self._call("ReleaseBatch", request)
+        self._call("ReleaseBatch", protocol.release_batch_request(claims))
         for claim in claims:
             claim.settled = True
 
