@@ -1,15 +1,24 @@
-//! A full disk, against the real binary on a small tmpfs mounted for the
-//! test (CI runs as root; elsewhere these tests say they need root and stop).
-//! A full disk must be refused before sled meets it, reads and duplicates
-//! must go on, writes must resume by themselves when space returns, and a
-//! store that wedges anyway must fail stop — and SIGTERM must end the process
-//! within the grace period whatever the store does.
+//! Disk faults, against the real binary. A full disk (a small tmpfs mounted
+//! for the test; CI runs as root, elsewhere those tests say they need root
+//! and stop) must be refused before sled meets it, under load too, with
+//! reads and duplicates going on and writes resuming by themselves when
+//! space returns; a store that wedges anyway must fail stop, and SIGTERM
+//! must end the process within the grace period whatever the store does.
+//! A disk that fails — fsync returning EIO, writes returning EROFS, from an
+//! LD_PRELOAD shim (`tests/fixtures/faultshim.c`) — must stop the store; a
+//! read-only data directory is refused at start. Whatever the fault, every
+//! commit acknowledged before it is there after a restart.
 
 mod common;
 
 use std::{
+    net::SocketAddr,
     path::{Path, PathBuf},
     process::Command,
+    sync::{
+        atomic::{AtomicBool, Ordering::SeqCst},
+        Arc, Mutex,
+    },
     time::{Duration, Instant},
 };
 
@@ -249,4 +258,328 @@ async fn sigterm_ends_the_process_even_on_a_wedged_store() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     let (code, log) = terminate(&mut sidecar);
     assert!(code.is_some(), "exited by itself: {log}");
+}
+
+/// Writers claiming and committing fresh keys (32 KiB answers) from 8 tasks
+/// over 2 connections until stopped: every commit acknowledged is kept, with
+/// the code of every refusal.
+struct Load {
+    acknowledged: Arc<Mutex<Vec<String>>>,
+    refusals: Arc<Mutex<Vec<Code>>>,
+    stop: Arc<AtomicBool>,
+    writers: tokio::task::JoinSet<()>,
+}
+
+impl Load {
+    async fn start(addr: SocketAddr, prefix: &str) -> Load {
+        let acknowledged = Arc::new(Mutex::new(Vec::new()));
+        let refusals = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut writers = tokio::task::JoinSet::new();
+        for connection in 0..2 {
+            let channel = Channel::from_shared(format!("http://{addr}"))
+                .unwrap()
+                .connect()
+                .await
+                .expect("connect");
+            for task in 0..4 {
+                let mut client = ClaimAndCommitClient::new(channel.clone());
+                let (acknowledged, refusals, stop) =
+                    (acknowledged.clone(), refusals.clone(), stop.clone());
+                let prefix = format!("{prefix}-{connection}-{task}");
+                writers.spawn(async move {
+                    for i in 0.. {
+                        if stop.load(SeqCst) {
+                            return;
+                        }
+                        let id = format!("{prefix}-{i}");
+                        let answer =
+                            tokio::time::timeout(Duration::from_secs(10), write(&mut client, &id))
+                                .await
+                                .unwrap_or_else(|_| {
+                                    panic!("{id}: a call hung instead of being answered")
+                                });
+                        match answer {
+                            Ok(()) => acknowledged.lock().unwrap().push(id),
+                            Err(code) => {
+                                refusals.lock().unwrap().push(code);
+                                tokio::time::sleep(Duration::from_millis(10)).await;
+                            }
+                        }
+                    }
+                });
+            }
+        }
+        Load {
+            acknowledged,
+            refusals,
+            stop,
+            writers,
+        }
+    }
+
+    fn acknowledged(&self) -> usize {
+        self.acknowledged.lock().unwrap().len()
+    }
+
+    fn refusals(&self) -> Vec<Code> {
+        self.refusals.lock().unwrap().clone()
+    }
+
+    /// Waits (bounded) until `done` holds of the load.
+    async fn until(&self, what: &str, done: impl Fn(&Load) -> bool) {
+        let started = Instant::now();
+        while !done(self) {
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "never {what}: {} acknowledged, refusals {:?}",
+                self.acknowledged(),
+                self.refusals().iter().take(5).collect::<Vec<_>>()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Stops the writers; the acknowledged commits and the refusals.
+    async fn stop(mut self) -> (Vec<String>, Vec<Code>) {
+        self.stop.store(true, SeqCst);
+        while let Some(joined) = self.writers.join_next().await {
+            joined.expect("a writer panicked");
+        }
+        let acknowledged = std::mem::take(&mut *self.acknowledged.lock().unwrap());
+        (acknowledged, self.refusals())
+    }
+}
+
+/// After a restart, every acknowledged commit must answer DUPLICATE.
+async fn every_commit_survived(sidecar: &Sidecar, acknowledged: &[String]) {
+    let mut client = sidecar.client().await;
+    for id in acknowledged {
+        let again = client
+            .claim(common::claim_request(id))
+            .await
+            .unwrap_or_else(|status| panic!("{id} after the restart: {status}"))
+            .into_inner();
+        assert_eq!(
+            common::outcome(&again),
+            pb::ClaimOutcome::Duplicate,
+            "{id} was acknowledged as committed, and is not after the restart"
+        );
+    }
+}
+
+/// Issue 16: the disk fills *under load* (8 writers). Writes are refused with
+/// RESOURCE_EXHAUSTED and nothing else, reads and duplicates go on, writes
+/// resume by themselves once space returns — and after a SIGKILL and a
+/// restart every commit that was ever acknowledged is there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disk_filled_under_load_loses_no_acknowledged_commit() {
+    let Some(disk) = SmallDisk::mount(24) else {
+        return;
+    };
+    let ballast = disk.path().join("ballast");
+    std::fs::write(&ballast, vec![0u8; 8 << 20]).unwrap();
+    let flags = ["--disk-reserve-mb", "6", "--shutdown-grace", "3s"];
+    let sidecar = Sidecar::start_with(&disk.data(), &flags);
+    let load = Load::start(sidecar.addr, "load").await;
+    load.until("refused a write", |load| {
+        load.refusals().contains(&Code::ResourceExhausted)
+    })
+    .await;
+    // The writers keep pressing on the full disk for a while.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    until_health(sidecar.addr, NOT_SERVING).await;
+    let mut client = sidecar.client().await;
+    let first = load.acknowledged.lock().unwrap()[0].clone();
+    let again = client
+        .claim(common::claim_request(&first))
+        .await
+        .expect("duplicates are answered on a full disk")
+        .into_inner();
+    assert_eq!(common::outcome(&again), pb::ClaimOutcome::Duplicate);
+
+    // Health turns SERVING again (a_full_disk_refuses_writes_and_recovers_by_itself
+    // sees it), but 8 writers fill the space given back again within a health
+    // tick: the writes going through are what is checked.
+    std::fs::remove_file(&ballast).unwrap();
+    let before = load.acknowledged();
+    load.until("wrote again once space returned", |load| {
+        load.acknowledged() > before + 50
+    })
+    .await;
+    let (acknowledged, refusals) = load.stop().await;
+    assert!(
+        refusals.iter().all(|code| *code == Code::ResourceExhausted),
+        "a full disk refuses with RESOURCE_EXHAUSTED only: {:?}",
+        refusals
+            .iter()
+            .filter(|code| **code != Code::ResourceExhausted)
+            .take(5)
+            .collect::<Vec<_>>()
+    );
+    sidecar.kill_9();
+    let restarted = Sidecar::start_with(&disk.data(), &flags);
+    every_commit_survived(&restarted, &acknowledged).await;
+    eprintln!(
+        "disk full under load: {} commits acknowledged, {} writes refused, all {} there after SIGKILL + restart",
+        acknowledged.len(),
+        refusals.len(),
+        acknowledged.len()
+    );
+}
+
+/// The fault shim (tests/fixtures/faultshim.c) built for this test run.
+fn fault_shim() -> PathBuf {
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("faultshim.so");
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/faultshim.c");
+    let built = Command::new("cc")
+        .args(["-shared", "-fPIC", "-O2", "-o"])
+        .arg(&out)
+        .arg(&source)
+        .arg("-ldl")
+        .status()
+        .expect("a C compiler (cc) for the fault shim");
+    assert!(built.success(), "building {}", source.display());
+    out
+}
+
+/// A sidecar under load on a data directory whose disk starts failing
+/// (`fault`: the shim's trigger file) once 100 commits are acknowledged.
+/// The store must stop serving — the process exits, not zero, saying why —
+/// and a restart on the healed disk must find every acknowledged commit.
+async fn a_failing_disk_stops_the_store(fault: &str, says: &str) {
+    let shim = fault_shim();
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let preload = format!("LD_PRELOAD={}", shim.display());
+    let fault_path = format!("DEDUPD_FAULT_PATH={}", data.display());
+    let mut sidecar = Sidecar::start_under(
+        &["env", &preload, &fault_path],
+        &data,
+        &["--shutdown-grace", "3s"],
+    );
+    let load = Load::start(sidecar.addr, "load").await;
+    load.until("acknowledged 100 commits", |load| {
+        load.acknowledged() >= 100
+    })
+    .await;
+    let trigger = dir.path().join(fault);
+    std::fs::write(&trigger, b"").unwrap();
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = sidecar.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the store kept serving on a failing disk: {}",
+            sidecar.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let (acknowledged, refusals) = load.stop().await;
+    assert_ne!(status.code(), Some(0), "{}", sidecar.log_text());
+    let log = sidecar.log_text();
+    assert!(log.contains(says), "the log says why ({says}): {log}");
+    assert!(!refusals.is_empty(), "no call met the failing disk");
+
+    std::fs::remove_file(&trigger).unwrap();
+    let restarted = Sidecar::start_with(&data, &["--shutdown-grace", "3s"]);
+    every_commit_survived(&restarted, &acknowledged).await;
+    let mut client = restarted.client().await;
+    write(&mut client, "after-the-disk-healed")
+        .await
+        .expect("the restarted sidecar writes");
+    eprintln!(
+        "{fault}: {} commits acknowledged, {} calls refused, exit {status}, all acknowledged there after the restart",
+        acknowledged.len(),
+        refusals.len()
+    );
+}
+
+/// Issue 16: fsync fails (EIO, as a disk that lost writes reports it). The
+/// kernel may have dropped the dirty pages, so the store must not retry and
+/// report success: it fails for good and the process stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_fsync_stops_the_store_and_loses_nothing_acknowledged() {
+    a_failing_disk_stops_the_store("fault-fsync", "disk sync failed").await;
+}
+
+/// Issue 16: the data directory turns read-only under the running process
+/// (writes fail with EROFS, as after ext4 remounts itself on an error).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_directory_turning_read_only_stops_the_store() {
+    a_failing_disk_stops_the_store("fault-erofs", "Read-only file system").await;
+}
+
+/// Issue 16: a data directory that is read-only from the start (a read-only
+/// bind mount, fresh or holding records) is refused at start with a line
+/// saying so, before anything is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_data_directory_is_refused_at_start() {
+    // Above the default 64 MiB disk reserve: only what is written takes memory.
+    let Some(disk) = SmallDisk::mount(96) else {
+        return;
+    };
+    let fresh = disk.path().join("fresh");
+    let used = disk.path().join("used");
+    std::fs::create_dir_all(&fresh).unwrap();
+    {
+        let mut sidecar = Sidecar::start(&used);
+        let mut client = sidecar.client().await;
+        write(&mut client, "kept").await.unwrap();
+        assert_eq!(terminate(&mut sidecar).0, Some(0));
+    }
+    for dir in [&fresh, &used] {
+        let read_only = disk
+            .path()
+            .join(format!("ro-{}", dir.file_name().unwrap().to_string_lossy()));
+        std::fs::create_dir_all(&read_only).unwrap();
+        let _unmount = BindMount::read_only(dir, &read_only);
+        let ready = disk.path().join("ready.json");
+        let output = Command::new(common::sidecar::BINARY)
+            .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+            .arg("--data-dir")
+            .arg(&read_only)
+            .arg("--ready-file")
+            .arg(&ready)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains("Read-only file system"),
+            "says why: {stderr}"
+        );
+        assert!(!ready.exists(), "it must not have served");
+    }
+    // The records are still there once the directory is writable again.
+    let sidecar = Sidecar::start(&used);
+    every_commit_survived(&sidecar, &["kept".to_owned()]).await;
+}
+
+/// `source` bind-mounted read-only on `target`, unmounted when dropped.
+struct BindMount(PathBuf);
+
+impl BindMount {
+    fn read_only(source: &Path, target: &Path) -> BindMount {
+        for args in [
+            vec!["--bind".as_ref(), source.as_os_str(), target.as_os_str()],
+            vec![
+                "-o".as_ref(),
+                "remount,bind,ro".as_ref(),
+                target.as_os_str(),
+            ],
+        ] {
+            let status = Command::new("mount").args(args).status().unwrap();
+            assert!(status.success(), "mount {}", target.display());
+        }
+        BindMount(target.to_owned())
+    }
+}
+
+impl Drop for BindMount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
 }
