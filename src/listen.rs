@@ -152,12 +152,29 @@ pub(crate) fn out_of_descriptors(error: &io::Error) -> bool {
 const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
 const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
+/// The HTTP/2 client preface's length (RFC 9113 §3.4): a connection must
+/// send this much before its first-bytes deadline.
+const PREFACE_BYTES: usize = 24;
+
 /// A connection holding one of the process's connection slots until it
 /// closes.
+///
+/// It must also send its first [`PREFACE_BYTES`] bytes (the HTTP/2 preface,
+/// or a TLS ClientHello) before a deadline: hyper waits for a preface
+/// forever, so connections that send nothing, or a byte now and then, would
+/// otherwise hold their slots for good and, at `--max-connections` of them,
+/// keep every new client out (found by `dedupd-reliability hostile`).
 #[derive(Debug)]
 pub(crate) struct Capped<IO> {
     io: IO,
     _slot: OwnedSemaphorePermit,
+    first_bytes: Option<FirstBytes>,
+}
+
+#[derive(Debug)]
+struct FirstBytes {
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    missing: usize,
 }
 
 impl<IO: AsyncRead + Unpin> AsyncRead for Capped<IO> {
@@ -166,7 +183,25 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Capped<IO> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+        let this = self.get_mut();
+        let Some(first) = &mut this.first_bytes else {
+            return Pin::new(&mut this.io).poll_read(cx, buf);
+        };
+        if first.deadline.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the client sent no HTTP/2 preface in time",
+            )));
+        }
+        let before = buf.filled().len();
+        let read = Pin::new(&mut this.io).poll_read(cx, buf);
+        if let Poll::Ready(Ok(())) = read {
+            first.missing = first.missing.saturating_sub(buf.filled().len() - before);
+            if first.missing == 0 {
+                this.first_bytes = None;
+            }
+        }
+        read
     }
 }
 
@@ -238,10 +273,12 @@ impl Accept for UnixListener {
 
 /// Accepts connections from `listener` while a slot of `slots` is free (at
 /// the cap, new connections wait in the kernel's backlog), and backs off when
-/// accepting fails — out of descriptors, say — instead of spinning.
+/// accepting fails — out of descriptors, say — instead of spinning. Each
+/// connection must send its first bytes within `first_bytes_timeout`.
 pub(crate) fn accept_capped<A: Accept>(
     listener: A,
     slots: Arc<Semaphore>,
+    first_bytes_timeout: Duration,
 ) -> impl Stream<Item = io::Result<Capped<A::Io>>> {
     let (sender, receiver) = mpsc::channel(1);
     tokio::spawn(async move {
@@ -261,7 +298,15 @@ pub(crate) fn accept_capped<A: Accept>(
             match accepted {
                 Ok(io) => {
                     backoff = ACCEPT_BACKOFF_MIN;
-                    if sender.send(Ok(Capped { io, _slot: slot })).await.is_err() {
+                    let capped = Capped {
+                        io,
+                        _slot: slot,
+                        first_bytes: Some(FirstBytes {
+                            deadline: Box::pin(tokio::time::sleep(first_bytes_timeout)),
+                            missing: PREFACE_BYTES,
+                        }),
+                    };
+                    if sender.send(Ok(capped)).await.is_err() {
                         return;
                     }
                 }

@@ -83,9 +83,22 @@ pub struct ConnectionLimits {
     pub keepalive_interval: Duration,
     /// How long to wait for a keepalive ping's answer.
     pub keepalive_timeout: Duration,
-    /// Longest a TLS handshake may take.
+    /// Longest a TLS handshake may take, and the longest a new connection
+    /// may take to send its first bytes (the HTTP/2 preface or the TLS
+    /// ClientHello) before it is closed.
     pub handshake_timeout: Duration,
 }
+
+/// Largest header list (metadata) a call may carry: gRPC's own default
+/// (grpc-go, grpc-java). A larger one ends the connection after at most five
+/// CONTINUATION frames (about 80 KiB read), however large it claims to be.
+pub const MAX_HEADER_LIST_BYTES: u32 = 16 << 10;
+/// Streams a client may open and reset before the server has seen them,
+/// per connection; more is a GOAWAY (the "rapid reset" flood, CVE-2023-44487).
+pub const MAX_PENDING_RESET_STREAMS: usize = 20;
+/// Streams the server may reset for a client's protocol errors before it
+/// ends the connection.
+pub const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 1024;
 
 impl Default for ConnectionLimits {
     fn default() -> Self {
@@ -107,6 +120,12 @@ impl ConnectionLimits {
             .max_connection_age(self.max_connection_age)
             .http2_keepalive_interval(Some(self.keepalive_interval))
             .http2_keepalive_timeout(Some(self.keepalive_timeout))
+            // Set here rather than left to hyper's and h2's defaults, which
+            // have changed between versions (docs/operations.md, "HTTP/2
+            // limits"; each is exercised by `dedupd-reliability hostile`).
+            .http2_max_header_list_size(MAX_HEADER_LIST_BYTES)
+            .http2_max_pending_accept_reset_streams(Some(MAX_PENDING_RESET_STREAMS))
+            .http2_max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESET_STREAMS))
     }
 }
 
@@ -259,7 +278,11 @@ pub async fn run<S: Store>(
         let signal = stopped();
         match listener {
             Listener::Tcp(tcp) => {
-                let incoming = accept_capped(tcp, Arc::clone(&connection_slots));
+                let incoming = accept_capped(
+                    tcp,
+                    Arc::clone(&connection_slots),
+                    config.connections.handshake_timeout,
+                );
                 servers.spawn(async move {
                     router
                         .serve_with_incoming_shutdown(incoming, signal)
@@ -268,7 +291,11 @@ pub async fn run<S: Store>(
                 });
             }
             Listener::Unix(unix, socket_file) => {
-                let incoming = accept_capped(unix, Arc::clone(&connection_slots));
+                let incoming = accept_capped(
+                    unix,
+                    Arc::clone(&connection_slots),
+                    config.connections.handshake_timeout,
+                );
                 servers.spawn(async move {
                     let served = router
                         .serve_with_incoming_shutdown(incoming, signal)

@@ -411,6 +411,70 @@ async fn unknown_methods_share_one_metric_label() {
     stop(server).await;
 }
 
+/// Found by `dedupd-reliability hostile` (issue 16): hyper waits for the
+/// HTTP/2 preface forever, so connections that sent nothing — or a few bytes
+/// of it — held their connection slots for good; at --max-connections of
+/// them no new client got in. Now a connection that has not sent its first
+/// 24 bytes within the handshake timeout is closed.
+#[tokio::test]
+async fn connections_that_never_send_a_preface_lose_their_slots() {
+    let server = TestServer::builder()
+        .unix_socket()
+        .config(|config| {
+            config.connections.max_connections = 2;
+            config.connections.handshake_timeout = Duration::from_millis(300);
+        })
+        .start()
+        .await;
+    let mut silent = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    let mut trickling = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    trickling
+        .write_all(&b"PRI * HTTP/2.0\r\n"[..])
+        .await
+        .unwrap();
+    // Both slots are taken: a new client gets in only once they are closed.
+    let started = std::time::Instant::now();
+    let mut client = tokio::time::timeout(Duration::from_secs(5), async {
+        let mut client = server.client().await;
+        client
+            .lookup(pb::LookupRequest {
+                namespace: String::new(),
+                correlation_id: "after-the-idle-ones".into(),
+            })
+            .await
+            .map(|_| client)
+    })
+    .await
+    .expect("a new client got a slot once the silent connections were closed")
+    .expect("its call is answered");
+    assert!(started.elapsed() >= Duration::from_millis(250));
+    for socket in [&mut silent, &mut trickling] {
+        // The server's SETTINGS, perhaps, then the end of the stream.
+        let mut rest = Vec::new();
+        // (A reset instead of an orderly close is a close too.)
+        let _closed = tokio::time::timeout(Duration::from_secs(2), socket.read_to_end(&mut rest))
+            .await
+            .expect("the server closed the connection");
+    }
+    // A connection that sends its preface in time is kept.
+    assert!(client
+        .lookup(pb::LookupRequest {
+            namespace: String::new(),
+            correlation_id: "still-here".into(),
+        })
+        .await
+        .is_ok());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(client
+        .lookup(pb::LookupRequest {
+            namespace: String::new(),
+            correlation_id: "still-here".into(),
+        })
+        .await
+        .is_ok());
+    stop(server).await;
+}
+
 /// Defect 4: one connection sending header-only calls used to take every
 /// admission slot until --request-timeout, refusing everyone else (health
 /// included). Now each connection has a stream limit, the server says so in

@@ -4,7 +4,7 @@
 use std::{path::PathBuf, process::ExitCode, time::Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
-use dedupd_reliability::{checker, history, runner};
+use dedupd_reliability::{checker, history, hostile, runner, sidecar::Sidecar, soak};
 
 #[derive(Debug, Parser)]
 #[command(name = "dedupd-reliability", version)]
@@ -18,6 +18,69 @@ enum Command {
     /// Record a history of concurrent calls (with SIGKILLs of the sidecar)
     /// and check it is linearizable.
     Lincheck(LincheckArgs),
+    /// Hostile clients (idle connections, slowloris, RST_STREAM flood, 10 MB
+    /// metadata, a client that never reads) against a well-behaved client's
+    /// latency and the sidecar's memory.
+    Hostile(HostileArgs),
+    /// Mixed load with churn on a short retention for a long time, sampling
+    /// memory, open files, disk and p99; then SIGKILL, restart, and a check
+    /// of every acknowledged commit.
+    Soak(SoakArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct SoakArgs {
+    /// The dedupd binary.
+    #[arg(long, default_value = "target/release/dedupd")]
+    dedupd: PathBuf,
+    /// How long the load runs.
+    #[arg(long, default_value = "30m")]
+    duration: humantime::Duration,
+    /// How often the sidecar is sampled.
+    #[arg(long, default_value = "10s")]
+    sample: humantime::Duration,
+    /// The sidecar's retention: short, so the reaper works all along.
+    #[arg(long, default_value = "60s")]
+    retention: humantime::Duration,
+    /// Samples before this are not judged.
+    #[arg(long, default_value = "3m")]
+    warm_up: humantime::Duration,
+    /// Client tasks.
+    #[arg(long, default_value_t = 8)]
+    tasks: usize,
+    /// CI's bounded run: 60 s, 2 s samples, 10 s retention, 20 s warm-up.
+    #[arg(long)]
+    quick: bool,
+}
+
+#[derive(Debug, clap::Args)]
+struct HostileArgs {
+    /// The dedupd binary.
+    #[arg(long, default_value = "target/release/dedupd")]
+    dedupd: PathBuf,
+    /// How long the baseline, each attack and the recovery last.
+    #[arg(long, default_value = "10s")]
+    phase: humantime::Duration,
+    /// Connections of the idle attacks.
+    #[arg(long, default_value_t = 10_000)]
+    idle_connections: usize,
+    /// Connections of the other attacks.
+    #[arg(long, default_value_t = 50)]
+    attack_connections: usize,
+    /// Fail when the well-behaved client's p99 under an attack exceeds this
+    /// multiple of its quiet p99.
+    #[arg(long, default_value_t = 10.0)]
+    max_p99_ratio: f64,
+    /// Fail when the sidecar's resident memory exceeds this, MiB.
+    #[arg(long, default_value_t = 512)]
+    max_rss_mib: u64,
+    /// Run only these attacks (default: all).
+    #[arg(long = "attack", value_parser = clap::builder::PossibleValuesParser::new(hostile::ATTACKS))]
+    attacks: Vec<String>,
+    /// CI's bounded run: 6 s phases (past the sidecar's 5 s deadline for a
+    /// connection's first bytes).
+    #[arg(long)]
+    quick: bool,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -83,6 +146,157 @@ fn main() -> ExitCode {
         .expect("a runtime");
     match cli.command {
         Command::Lincheck(args) => runtime.block_on(lincheck(args)),
+        Command::Hostile(args) => runtime.block_on(hostile(args)),
+        Command::Soak(args) => runtime.block_on(soak(args)),
+    }
+}
+
+async fn soak(args: SoakArgs) -> ExitCode {
+    let config = if args.quick {
+        soak::SoakConfig {
+            duration: std::time::Duration::from_secs(60),
+            sample_every: std::time::Duration::from_secs(2),
+            retention: std::time::Duration::from_secs(10),
+            warm_up: std::time::Duration::from_secs(20),
+            tasks: args.tasks,
+        }
+    } else {
+        soak::SoakConfig {
+            duration: args.duration.into(),
+            sample_every: args.sample.into(),
+            retention: args.retention.into(),
+            warm_up: args.warm_up.into(),
+            tasks: args.tasks,
+        }
+    };
+    let data = match tempfile_dir("soak") {
+        Ok(dir) => dir,
+        Err(error) => {
+            eprintln!("dedupd-reliability: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let outcome = soak::run(&args.dedupd, &data, &config).await;
+    let _ = std::fs::remove_dir_all(&data);
+    let soak = match outcome {
+        Ok(soak) => soak,
+        Err(error) => {
+            eprintln!("dedupd-reliability: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let judged: Vec<&soak::Sample> = soak
+        .samples
+        .iter()
+        .filter(|s| s.at_s >= config.warm_up.as_secs())
+        .collect();
+    let range = |value: fn(&soak::Sample) -> u64| {
+        let values = judged.iter().map(|s| value(s));
+        serde_json::json!([values.clone().min(), values.max()])
+    };
+    println!(
+        "{}",
+        serde_json::json!({
+            "summary": true,
+            "duration_s": config.duration.as_secs(),
+            "retention_s": config.retention.as_secs(),
+            "samples": soak.samples.len(),
+            "after_warm_up": {
+                "rss_kib": range(|s| s.rss_kib),
+                "open_files": range(|s| s.open_files),
+                "disk_bytes": range(|s| s.disk_bytes),
+                "p99_us": range(|s| u64::from(s.p99_us)),
+                "calls_per_s": range(|s| s.calls_per_s),
+            },
+            "commits_acknowledged": soak.committed,
+            "checked_present_after_sigkill": soak.checked_present,
+            "checked_expired": soak.checked_expired,
+            "failures": soak.failures,
+        })
+    );
+    if soak.failures.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        for failure in &soak.failures {
+            eprintln!("dedupd-reliability: {failure}");
+        }
+        ExitCode::FAILURE
+    }
+}
+
+async fn hostile(args: HostileArgs) -> ExitCode {
+    // 10 000 idle connections are 10 000 descriptors here too.
+    if let Err(error) = rlimit::increase_nofile_limit(u64::MAX) {
+        eprintln!("dedupd-reliability: cannot raise the open-file limit: {error}");
+    }
+    let data = match tempfile_dir("hostile") {
+        Ok(dir) => dir,
+        Err(error) => {
+            eprintln!("dedupd-reliability: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let config = hostile::HostileConfig {
+        phase: if args.quick {
+            std::time::Duration::from_secs(6)
+        } else {
+            args.phase.into()
+        },
+        idle_connections: args.idle_connections,
+        attack_connections: args.attack_connections,
+        max_p99_ratio: args.max_p99_ratio,
+        max_rss_kib: args.max_rss_mib << 10,
+    };
+    let attacks: Vec<&str> = if args.attacks.is_empty() {
+        hostile::ATTACKS.to_vec()
+    } else {
+        args.attacks.iter().map(String::as_str).collect()
+    };
+    let outcome = async {
+        let sidecar = Sidecar::start(&args.dedupd, &data, &[]).await?;
+        let reports = hostile::run(&sidecar, &config, &attacks).await;
+        let alive = sidecar.sample().rss_kib > 0;
+        let log = sidecar.log();
+        let stopped = sidecar.stop(std::time::Duration::from_secs(20)).await;
+        let reports = reports?;
+        if !alive {
+            return Err(format!("the sidecar died: {log}"));
+        }
+        if stopped.is_none_or(|status| !status.success()) {
+            return Err(format!(
+                "the sidecar did not stop cleanly ({stopped:?}): {log}"
+            ));
+        }
+        Ok(reports)
+    }
+    .await;
+    let _ = std::fs::remove_dir_all(&data);
+    match outcome {
+        Ok(reports) => {
+            for report in &reports {
+                println!("{}", report.json());
+            }
+            let failed: Vec<&str> = reports
+                .iter()
+                .filter(|report| !report.passed)
+                .map(|report| report.phase.as_str())
+                .collect();
+            if failed.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                eprintln!(
+                    "dedupd-reliability: out of bounds (errors, p99 over {}x the baseline's, or RSS over {} MiB) in: {}",
+                    args.max_p99_ratio,
+                    args.max_rss_mib,
+                    failed.join(", ")
+                );
+                ExitCode::FAILURE
+            }
+        }
+        Err(error) => {
+            eprintln!("dedupd-reliability: {error}");
+            ExitCode::FAILURE
+        }
     }
 }
 
@@ -94,7 +308,7 @@ async fn lincheck(mut args: LincheckArgs) -> ExitCode {
         args.duration = std::time::Duration::from_secs(8).into();
         args.kills = 1;
     }
-    let data = match tempfile_dir() {
+    let data = match tempfile_dir("lincheck") {
         Ok(dir) => dir,
         Err(error) => {
             eprintln!("dedupd-reliability: {error}");
@@ -198,8 +412,8 @@ async fn lincheck(mut args: LincheckArgs) -> ExitCode {
     }
 }
 
-fn tempfile_dir() -> Result<PathBuf, String> {
-    let dir = std::env::temp_dir().join(format!("dedupd-lincheck-{}", std::process::id()));
+fn tempfile_dir(run: &str) -> Result<PathBuf, String> {
+    let dir = std::env::temp_dir().join(format!("dedupd-{run}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     Ok(dir)
 }

@@ -1,0 +1,550 @@
+//! Hostile clients against the real sidecar while a well-behaved one keeps
+//! working (issue 16, item 4). Each attack runs for a phase; meanwhile the
+//! well-behaved client — connected before any attack, as an application's
+//! pooled channel is — claims and commits fresh keys one after another and
+//! times every call. The run passes when, in every phase, that client gets
+//! every answer, its p99 stays within 10× the quiet baseline's, and the
+//! sidecar's memory stays under a bound (and, in `idle-tcp`, the sidecar
+//! closes the silent connections).
+//!
+//! The attacks write HTTP/2 by hand ([`crate::h2raw`]) on raw sockets:
+//! - `idle-tcp`: connections that send nothing;
+//! - `idle-h2`: connections that send the preface and SETTINGS, then nothing;
+//! - `slowloris`: connections that open every stream they may (HEADERS of a
+//!   Claim) and never send the body;
+//! - `rst-flood`: HEADERS then RST_STREAM, again and again (CVE-2023-44487);
+//! - `big-metadata`: a 10 MB header (HEADERS + CONTINUATION frames);
+//! - `non-reading`: connections that send Lookups of a key holding a 60 KiB
+//!   answer and never read a byte.
+
+use std::{
+    net::SocketAddr,
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+use dedupd::proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient};
+use prost::Message;
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpStream,
+    task::JoinSet,
+};
+use tonic::transport::Channel;
+
+use crate::{h2raw, sidecar::Sidecar};
+
+/// The attacks, in the order they run.
+pub const ATTACKS: [&str; 6] = [
+    "idle-tcp",
+    "idle-h2",
+    "slowloris",
+    "rst-flood",
+    "big-metadata",
+    "non-reading",
+];
+
+/// What a run does.
+#[derive(Debug, Clone)]
+pub struct HostileConfig {
+    /// How long each phase (the baseline, each attack, the recovery) lasts.
+    pub phase: Duration,
+    /// Connections of the idle attacks.
+    pub idle_connections: usize,
+    /// Connections of the other attacks.
+    pub attack_connections: usize,
+    /// The p99 bound, as a multiple of the baseline's.
+    pub max_p99_ratio: f64,
+    /// The sidecar's resident memory bound, KiB.
+    pub max_rss_kib: u64,
+}
+
+/// Latencies of one phase, in microseconds.
+#[derive(Debug, Default, Clone)]
+pub struct Latencies {
+    samples: Vec<u32>,
+    /// Calls that failed.
+    pub errors: u64,
+}
+
+impl Latencies {
+    /// Calls answered.
+    pub fn count(&self) -> usize {
+        self.samples.len()
+    }
+
+    /// The `q` quantile (0–1), microseconds.
+    pub fn quantile(&self, q: f64) -> u32 {
+        let mut sorted = self.samples.clone();
+        sorted.sort_unstable();
+        sorted
+            .get(((sorted.len() as f64 * q).ceil() as usize).saturating_sub(1))
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+/// The well-behaved client: claims and commits fresh keys one after
+/// another for `duration`, timing every call.
+pub async fn well_behaved(
+    client: &mut ClaimAndCommitClient<Channel>,
+    prefix: &str,
+    duration: Duration,
+) -> Latencies {
+    let mut latencies = Latencies::default();
+    let end = Instant::now() + duration;
+    let mut i = 0u64;
+    while Instant::now() < end {
+        i += 1;
+        let id = format!("{prefix}-{i}");
+        let started = Instant::now();
+        let claimed = tokio::time::timeout(
+            Duration::from_secs(5),
+            client.claim(pb::ClaimRequest {
+                correlation_id: id.clone(),
+                ..Default::default()
+            }),
+        )
+        .await;
+        let token = match claimed {
+            Ok(Ok(answer)) => answer.into_inner().lease_token,
+            _ => {
+                latencies.errors += 1;
+                continue;
+            }
+        };
+        latencies.samples.push(started.elapsed().as_micros() as u32);
+        let started = Instant::now();
+        let committed = tokio::time::timeout(
+            Duration::from_secs(5),
+            client.commit(pb::CommitRequest {
+                correlation_id: id,
+                lease_token: token,
+                ..Default::default()
+            }),
+        )
+        .await;
+        match committed {
+            Ok(Ok(_)) => latencies.samples.push(started.elapsed().as_micros() as u32),
+            _ => latencies.errors += 1,
+        }
+    }
+    latencies
+}
+
+/// What an attack did.
+#[derive(Debug, Default)]
+pub struct AttackCounters {
+    /// Connections opened.
+    pub connections: AtomicU64,
+    /// Connections the sidecar closed (read end or write error).
+    pub closed_by_server: AtomicU64,
+    /// Streams opened (HEADERS sent).
+    pub streams: AtomicU64,
+    /// Bytes written.
+    pub bytes: AtomicU64,
+}
+
+impl AttackCounters {
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "connections": self.connections.load(Relaxed),
+            "closed_by_server": self.closed_by_server.load(Relaxed),
+            "streams": self.streams.load(Relaxed),
+            "bytes": self.bytes.load(Relaxed),
+        })
+    }
+}
+
+/// One phase's figures.
+#[derive(Debug)]
+pub struct PhaseReport {
+    /// `baseline`, an attack's name, or `recovery`.
+    pub phase: String,
+    /// The well-behaved client's calls.
+    pub latencies: Latencies,
+    /// Its p99 over the baseline's.
+    pub p99_ratio: f64,
+    /// The sidecar's resident memory at the phase's end, KiB.
+    pub rss_kib: u64,
+    /// Its open files at the phase's end.
+    pub open_files: u64,
+    /// What the attack did.
+    pub attack: serde_json::Value,
+    /// Whether the phase met the bounds.
+    pub passed: bool,
+}
+
+impl PhaseReport {
+    /// One JSON line.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "phase": self.phase,
+            "calls": self.latencies.count(),
+            "errors": self.latencies.errors,
+            "p50_us": self.latencies.quantile(0.5),
+            "p99_us": self.latencies.quantile(0.99),
+            "max_us": self.latencies.quantile(1.0),
+            "p99_ratio": (self.p99_ratio * 100.0).round() / 100.0,
+            "rss_kib": self.rss_kib,
+            "open_files": self.open_files,
+            "attack": self.attack,
+            "passed": self.passed,
+        })
+    }
+}
+
+/// Runs the baseline, every attack in `attacks`, and a recovery phase
+/// against `sidecar`; one report per phase.
+pub async fn run(
+    sidecar: &Sidecar,
+    config: &HostileConfig,
+    attacks: &[&str],
+) -> Result<Vec<PhaseReport>, String> {
+    let channel = Channel::from_shared(format!("http://{}", sidecar.grpc))
+        .map_err(|e| e.to_string())?
+        .connect()
+        .await
+        .map_err(|e| format!("the well-behaved client cannot connect: {e}"))?;
+    let mut client = ClaimAndCommitClient::new(channel);
+    // The key the non-reading clients look up: its answer is 60 KiB.
+    let claimed = client
+        .claim(pb::ClaimRequest {
+            correlation_id: "big-answer".into(),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .into_inner();
+    client
+        .commit(pb::CommitRequest {
+            correlation_id: "big-answer".into(),
+            lease_token: claimed.lease_token,
+            response: vec![7u8; 60 << 10],
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    // Warm-up, not counted.
+    well_behaved(&mut client, "warm-up", Duration::from_millis(500)).await;
+
+    let mut reports = Vec::new();
+    let baseline = well_behaved(&mut client, "baseline", config.phase).await;
+    let baseline_p99 = f64::from(baseline.quantile(0.99).max(1));
+    reports.push(report(
+        "baseline",
+        baseline,
+        baseline_p99,
+        sidecar,
+        config,
+        None,
+    ));
+    for &attack in attacks {
+        let counters = Arc::new(AttackCounters::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut attackers = JoinSet::new();
+        start_attack(
+            attack,
+            sidecar.grpc,
+            config,
+            &counters,
+            &stop,
+            &mut attackers,
+        )?;
+        // Let the attack take hold before measuring.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let latencies = well_behaved(&mut client, attack, config.phase).await;
+        let sampled = report(
+            attack,
+            latencies,
+            baseline_p99,
+            sidecar,
+            config,
+            Some(&counters),
+        );
+        stop.store(true, Relaxed);
+        attackers.shutdown().await;
+        reports.push(sampled);
+        // The sidecar sees the attackers' sockets close.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let recovery = well_behaved(&mut client, "recovery", config.phase).await;
+    reports.push(report(
+        "recovery",
+        recovery,
+        baseline_p99,
+        sidecar,
+        config,
+        None,
+    ));
+    Ok(reports)
+}
+
+fn report(
+    phase: &str,
+    latencies: Latencies,
+    baseline_p99: f64,
+    sidecar: &Sidecar,
+    config: &HostileConfig,
+    counters: Option<&AttackCounters>,
+) -> PhaseReport {
+    let sample = sidecar.sample();
+    let p99_ratio = f64::from(latencies.quantile(0.99)) / baseline_p99;
+    // Connections that never send their first bytes are closed after the
+    // sidecar's 5 s handshake timeout (phases of 5 s or more see it).
+    let silent_ones_closed = phase != "idle-tcp"
+        || config.phase < Duration::from_secs(5)
+        || counters.is_some_and(|counters| counters.closed_by_server.load(Relaxed) > 0);
+    let passed = latencies.errors == 0
+        && latencies.count() > 0
+        && p99_ratio <= config.max_p99_ratio
+        && sample.rss_kib > 0
+        && sample.rss_kib <= config.max_rss_kib
+        && silent_ones_closed;
+    PhaseReport {
+        phase: phase.to_owned(),
+        latencies,
+        p99_ratio,
+        rss_kib: sample.rss_kib,
+        open_files: sample.open_files,
+        attack: counters.map_or(serde_json::Value::Null, AttackCounters::json),
+        passed,
+    }
+}
+
+fn start_attack(
+    attack: &str,
+    addr: SocketAddr,
+    config: &HostileConfig,
+    counters: &Arc<AttackCounters>,
+    stop: &Arc<AtomicBool>,
+    attackers: &mut JoinSet<()>,
+) -> Result<(), String> {
+    let connections = match attack {
+        "idle-tcp" | "idle-h2" => config.idle_connections,
+        "slowloris" | "rst-flood" | "big-metadata" | "non-reading" => config.attack_connections,
+        other => return Err(format!("no attack named {other:?} (known: {ATTACKS:?})")),
+    };
+    for index in 0..connections {
+        let (counters, stop, attack) = (Arc::clone(counters), Arc::clone(stop), attack.to_owned());
+        attackers.spawn(async move {
+            // Spread the connects a little so the idle attacks do not all
+            // land in the same millisecond.
+            tokio::time::sleep(Duration::from_micros((index as u64 % 1000) * 200)).await;
+            while !stop.load(Relaxed) {
+                let Ok(Ok(mut socket)) =
+                    tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(addr)).await
+                else {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                };
+                let _ = socket.set_nodelay(true);
+                counters.connections.fetch_add(1, Relaxed);
+                let outcome = match attack.as_str() {
+                    "idle-tcp" => hold(&mut socket, &[], &stop).await,
+                    "idle-h2" => hold(&mut socket, &h2raw::open(), &stop).await,
+                    "slowloris" => slowloris(socket, &counters, &stop).await,
+                    "rst-flood" => rst_flood(socket, &counters, &stop).await,
+                    "big-metadata" => big_metadata(&mut socket, &counters).await,
+                    _ => non_reading(&mut socket, &counters, &stop).await,
+                };
+                if outcome.is_err() {
+                    counters.closed_by_server.fetch_add(1, Relaxed);
+                }
+                // An attacker whose connection was closed comes back.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        });
+    }
+    Ok(())
+}
+
+/// Writes `opening`, then holds the connection without a word until
+/// stopped; `Err` when the sidecar closes it.
+async fn hold(socket: &mut TcpStream, opening: &[u8], stop: &AtomicBool) -> Result<(), ()> {
+    socket.write_all(opening).await.map_err(drop)?;
+    let mut buf = [0u8; 4096];
+    while !stop.load(Relaxed) {
+        // Whatever the sidecar sends (its SETTINGS, a GOAWAY) is read and
+        // ignored; the end of the stream means it closed the connection.
+        let read = tokio::time::timeout(Duration::from_millis(200), socket.read(&mut buf)).await;
+        if let Ok(Ok(0) | Err(_)) = read {
+            return Err(());
+        }
+    }
+    Ok(())
+}
+
+/// Reads and drops everything the sidecar sends, so that its writes never
+/// block; flags `closed` at the end of the stream.
+fn drain(mut reader: tokio::net::tcp::OwnedReadHalf, closed: Arc<AtomicBool>) {
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 64 << 10];
+        while let Ok(n) = reader.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+        }
+        closed.store(true, Relaxed);
+    });
+}
+
+fn claim_message(id: &str) -> Vec<u8> {
+    pb::ClaimRequest {
+        correlation_id: id.to_owned(),
+        ..Default::default()
+    }
+    .encode_to_vec()
+}
+
+/// Opens streams (a Claim's HEADERS, no body) 128 at a time every second,
+/// never finishing one.
+async fn slowloris(
+    socket: TcpStream,
+    counters: &AttackCounters,
+    stop: &AtomicBool,
+) -> Result<(), ()> {
+    let (reader, mut writer) = socket.into_split();
+    let closed = Arc::new(AtomicBool::new(false));
+    drain(reader, Arc::clone(&closed));
+    writer.write_all(&h2raw::open()).await.map_err(drop)?;
+    let block = h2raw::grpc_request_block("Claim", &[]);
+    let mut stream = 1u32;
+    while !stop.load(Relaxed) && !closed.load(Relaxed) {
+        let mut burst = Vec::new();
+        for _ in 0..128 {
+            burst.extend(h2raw::headers(stream, &block, false));
+            stream += 2;
+        }
+        writer.write_all(&burst).await.map_err(drop)?;
+        counters.streams.fetch_add(128, Relaxed);
+        counters.bytes.fetch_add(burst.len() as u64, Relaxed);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    if closed.load(Relaxed) {
+        Err(())
+    } else {
+        Ok(())
+    }
+}
+
+/// HEADERS then RST_STREAM(CANCEL), 100 pairs a write, as fast as the
+/// socket takes them.
+async fn rst_flood(
+    socket: TcpStream,
+    counters: &AttackCounters,
+    stop: &AtomicBool,
+) -> Result<(), ()> {
+    let (reader, mut writer) = socket.into_split();
+    let closed = Arc::new(AtomicBool::new(false));
+    drain(reader, Arc::clone(&closed));
+    writer.write_all(&h2raw::open()).await.map_err(drop)?;
+    let block = h2raw::grpc_request_block("Claim", &[]);
+    let mut stream = 1u32;
+    while !stop.load(Relaxed) && !closed.load(Relaxed) && stream < (1 << 30) {
+        let mut burst = Vec::new();
+        for _ in 0..100 {
+            burst.extend(h2raw::headers(stream, &block, false));
+            burst.extend(h2raw::rst_stream(stream, h2raw::CANCEL));
+            stream += 2;
+        }
+        writer.write_all(&burst).await.map_err(drop)?;
+        counters.streams.fetch_add(100, Relaxed);
+        counters.bytes.fetch_add(burst.len() as u64, Relaxed);
+        // Let the runtime breathe: the flood is bounded by the socket.
+        tokio::task::yield_now().await;
+    }
+    if closed.load(Relaxed) {
+        Err(())
+    } else {
+        Ok(())
+    }
+}
+
+/// One Claim carrying a 10 MB header, then a read until the sidecar ends
+/// the connection (or 5 s pass); `Err` when it did.
+async fn big_metadata(socket: &mut TcpStream, counters: &AttackCounters) -> Result<(), ()> {
+    // Built once for every attacker: building it is the attacker's work,
+    // and it shares the CPUs with the sidecar.
+    static REQUEST: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    let request = REQUEST.get_or_init(|| {
+        let value = vec![b'x'; 10 << 20];
+        let block = h2raw::grpc_request_block("Claim", &[("x-big", &value)]);
+        let mut request = h2raw::open();
+        request.extend(h2raw::headers(1, &block, false));
+        request.extend(h2raw::grpc_data(1, &claim_message("big-metadata")));
+        request
+    });
+    counters.streams.fetch_add(1, Relaxed);
+    let (mut reader, mut writer) = socket.split();
+    let sent = AtomicU64::new(0);
+    let write = async {
+        for chunk in request.chunks(64 << 10) {
+            if writer.write_all(chunk).await.is_err() {
+                break;
+            }
+            sent.fetch_add(chunk.len() as u64, Relaxed);
+        }
+    };
+    let read = async {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            match reader.read(&mut buf).await {
+                Ok(0) | Err(_) => return Err(()),
+                Ok(_) => {}
+            }
+        }
+    };
+    let outcome = tokio::time::timeout(Duration::from_secs(5), async {
+        tokio::join!(write, read).1
+    })
+    .await
+    .unwrap_or(Ok(()));
+    counters.bytes.fetch_add(sent.load(Relaxed), Relaxed);
+    outcome
+}
+
+/// Lookups of the 60 KiB answer, 128 streams at a time every second, and
+/// not one byte read.
+async fn non_reading(
+    socket: &mut TcpStream,
+    counters: &AttackCounters,
+    stop: &AtomicBool,
+) -> Result<(), ()> {
+    socket.write_all(&h2raw::open()).await.map_err(drop)?;
+    let block = h2raw::grpc_request_block("Lookup", &[]);
+    let lookup = pb::LookupRequest {
+        namespace: String::new(),
+        correlation_id: "big-answer".into(),
+    }
+    .encode_to_vec();
+    let mut stream = 1u32;
+    while !stop.load(Relaxed) {
+        let mut burst = Vec::new();
+        for _ in 0..128 {
+            burst.extend(h2raw::headers(stream, &block, false));
+            burst.extend(h2raw::grpc_data(stream, &lookup));
+            stream += 2;
+        }
+        // The sidecar's answers are never read: once the socket's buffers
+        // fill, only flow control stands between it and unbounded memory.
+        match tokio::time::timeout(Duration::from_secs(1), socket.write_all(&burst)).await {
+            Ok(Err(_)) => return Err(()),
+            Ok(Ok(())) => {
+                counters.streams.fetch_add(128, Relaxed);
+                counters.bytes.fetch_add(burst.len() as u64, Relaxed);
+            }
+            // The sidecar stopped reading us (a frame may be cut short, so
+            // nothing more is written): hold the connection as it is.
+            Err(_) => break,
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    while !stop.load(Relaxed) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
+}

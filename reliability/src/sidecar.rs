@@ -1,0 +1,164 @@
+//! The real `dedupd` binary as a child process on ephemeral ports (its
+//! addresses read from its `--ready-file`), and what `/proc` says about it:
+//! memory, open files, threads. Used by the hostile-client and soak runs.
+
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::Stdio,
+    time::{Duration, Instant},
+};
+
+use tokio::process::{Child, Command};
+
+/// A running sidecar, killed when dropped.
+#[derive(Debug)]
+pub struct Sidecar {
+    child: Child,
+    /// Its gRPC address.
+    pub grpc: SocketAddr,
+    /// Its ops (metrics, health) address.
+    pub ops: SocketAddr,
+    log: PathBuf,
+}
+
+impl Sidecar {
+    /// Starts `binary` on a sled store in `data_dir` with `flags` and waits
+    /// (at most 30 s) until it is serving. Its log goes to `data_dir/log`.
+    pub async fn start(binary: &Path, data_dir: &Path, flags: &[String]) -> Result<Self, String> {
+        std::fs::create_dir_all(data_dir).map_err(|e| format!("{}: {e}", data_dir.display()))?;
+        let ready = data_dir.join("ready.json");
+        let log = data_dir.join("log");
+        let _ = std::fs::remove_file(&ready);
+        let log_file =
+            std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+        let mut child = Command::new(binary)
+            .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+            .args(["--log", "warn"])
+            .arg("--data-dir")
+            .arg(data_dir.join("data"))
+            .arg("--ready-file")
+            .arg(&ready)
+            .args(flags)
+            .stdout(Stdio::null())
+            .stderr(log_file)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot start {}: {e}", binary.display()))?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let announced = loop {
+            if let Ok(text) = std::fs::read_to_string(&ready) {
+                if let Ok(value) = serde_json::from_str::<serde_json::Value>(&text) {
+                    break value;
+                }
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                let log = std::fs::read_to_string(&log).unwrap_or_default();
+                return Err(format!("dedupd exited at start ({status}): {log}"));
+            }
+            if Instant::now() > deadline {
+                return Err("dedupd was not ready within 30 s".into());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        let address = |value: &serde_json::Value| -> Result<SocketAddr, String> {
+            value
+                .as_str()
+                .and_then(|text| text.parse().ok())
+                .ok_or_else(|| format!("no address in the ready file: {announced}"))
+        };
+        Ok(Sidecar {
+            grpc: address(&announced["grpc"][0])?,
+            ops: address(&announced["metrics"])?,
+            child,
+            log,
+        })
+    }
+
+    /// Its process ID.
+    pub fn pid(&self) -> u32 {
+        self.child.id().unwrap_or(0)
+    }
+
+    /// Whether it has exited (and how), without waiting.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
+    /// What it logged.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// What `/proc` says about it now.
+    pub fn sample(&self) -> ProcessSample {
+        ProcessSample::of(self.pid())
+    }
+
+    /// SIGKILL, and waits for the exit.
+    pub async fn kill_9(mut self) {
+        let _ = self.child.kill().await;
+    }
+
+    /// SIGTERM, then waits (at most `grace` + 5 s) for the exit.
+    pub async fn stop(mut self, grace: Duration) -> Option<std::process::ExitStatus> {
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &self.pid().to_string()])
+            .status();
+        tokio::time::timeout(grace + Duration::from_secs(5), self.child.wait())
+            .await
+            .ok()
+            .and_then(Result::ok)
+    }
+}
+
+/// A process's resident memory, its peak, open files and threads.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ProcessSample {
+    /// Resident set, KiB (VmRSS).
+    pub rss_kib: u64,
+    /// Peak resident set since the start, KiB (VmHWM).
+    pub peak_rss_kib: u64,
+    /// Open file descriptors.
+    pub open_files: u64,
+    /// Threads.
+    pub threads: u64,
+}
+
+impl ProcessSample {
+    /// Reads `/proc/<pid>`; zeros when it is gone.
+    pub fn of(pid: u32) -> ProcessSample {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix(name))
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|value| value.parse().ok())
+                .unwrap_or(0)
+        };
+        ProcessSample {
+            rss_kib: field("VmRSS:"),
+            peak_rss_kib: field("VmHWM:"),
+            open_files: std::fs::read_dir(format!("/proc/{pid}/fd"))
+                .map_or(0, |entries| entries.count() as u64),
+            threads: field("Threads:"),
+        }
+    }
+}
+
+/// Bytes under `path`, recursively (the data directory's size on disk as
+/// its files' lengths).
+pub fn directory_bytes(path: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(path) else {
+        return 0;
+    };
+    entries
+        .filter_map(Result::ok)
+        .map(|entry| match entry.metadata() {
+            Ok(meta) if meta.is_dir() => directory_bytes(&entry.path()),
+            Ok(meta) => meta.len(),
+            Err(_) => 0,
+        })
+        .sum()
+}

@@ -1,0 +1,393 @@
+//! The soak (issue 16, item 5): mixed load with churn for a long time on a
+//! short retention, so the reaper works throughout, sampling the sidecar
+//! every interval — resident memory, open files, the data directory's size,
+//! the calls' p99 and throughput. After the warm-up everything must stay
+//! flat, and at the end, after a SIGKILL and a restart, every commit
+//! acknowledged within the retention must still answer DUPLICATE while the
+//! ones past it must be gone (the reaper and expiry did their work).
+//!
+//! The load: tasks that claim and commit fresh keys (a 200-byte answer),
+//! claim a key committed a moment ago (a duplicate), claim and release, and
+//! look keys up, in turn.
+
+use std::{
+    collections::VecDeque,
+    path::Path,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use dedupd::proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient};
+use tokio::task::JoinSet;
+use tonic::transport::Channel;
+
+use crate::sidecar::{directory_bytes, Sidecar};
+
+/// What a soak does.
+#[derive(Debug, Clone)]
+pub struct SoakConfig {
+    /// How long the load runs.
+    pub duration: Duration,
+    /// How often the sidecar is sampled.
+    pub sample_every: Duration,
+    /// The sidecar's --default-retention.
+    pub retention: Duration,
+    /// Samples before this are the warm-up, not judged.
+    pub warm_up: Duration,
+    /// Client tasks.
+    pub tasks: usize,
+}
+
+/// One sample.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Sample {
+    /// Seconds since the load started.
+    pub at_s: u64,
+    /// Resident memory, KiB.
+    pub rss_kib: u64,
+    /// Open files.
+    pub open_files: u64,
+    /// The data directory's bytes.
+    pub disk_bytes: u64,
+    /// p99 of the calls since the last sample, microseconds.
+    pub p99_us: u32,
+    /// Calls per second since the last sample.
+    pub calls_per_s: u64,
+    /// Failed calls since the last sample.
+    pub errors: u64,
+}
+
+impl Sample {
+    /// One JSON line.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "at_s": self.at_s,
+            "rss_kib": self.rss_kib,
+            "open_files": self.open_files,
+            "disk_bytes": self.disk_bytes,
+            "p99_us": self.p99_us,
+            "calls_per_s": self.calls_per_s,
+            "errors": self.errors,
+        })
+    }
+}
+
+/// Whatever the tasks share: the latencies since the last sample, the
+/// failures, and every commit acknowledged (ID, when).
+#[derive(Debug, Default)]
+struct Shared {
+    latencies_us: Vec<u32>,
+    errors: u64,
+    committed: Vec<(String, Instant)>,
+}
+
+/// The run's outcome.
+#[derive(Debug)]
+pub struct Soak {
+    /// Every sample, in order.
+    pub samples: Vec<Sample>,
+    /// Commits acknowledged over the run.
+    pub committed: usize,
+    /// Of those, the ones checked after the restart to still be there.
+    pub checked_present: usize,
+    /// And the ones checked to be gone (past their retention).
+    pub checked_expired: usize,
+    /// What is wrong, if anything (empty: passed).
+    pub failures: Vec<String>,
+}
+
+/// The load's calls from one task, until `end`.
+async fn task(
+    mut client: ClaimAndCommitClient<Channel>,
+    index: usize,
+    end: Instant,
+    shared: Arc<Mutex<Shared>>,
+) {
+    let mut recent: VecDeque<String> = VecDeque::new();
+    let mut i = 0u64;
+    while Instant::now() < end {
+        i += 1;
+        let id = format!("soak-{index}-{i}");
+        let started = Instant::now();
+        let outcome = match i % 4 {
+            // A fresh key claimed and committed.
+            0 | 1 => commit(&mut client, &id).await.map(|()| {
+                recent.push_back(id.clone());
+                if recent.len() > 16 {
+                    recent.pop_front();
+                }
+                Some(id)
+            }),
+            // A redelivery of a key committed a moment ago.
+            2 => match recent.front() {
+                Some(done) => duplicate(&mut client, done).await.map(|()| None),
+                None => Ok(None),
+            },
+            // Claimed, then released (the consumer failed), then looked up.
+            _ => release_and_lookup(&mut client, &id).await.map(|()| None),
+        };
+        let elapsed = started.elapsed().as_micros() as u32;
+        let mut shared = shared.lock().expect("not poisoned");
+        match outcome {
+            Ok(committed) => {
+                shared.latencies_us.push(elapsed);
+                if let Some(id) = committed {
+                    shared.committed.push((id, Instant::now()));
+                }
+            }
+            Err(()) => shared.errors += 1,
+        }
+    }
+}
+
+async fn commit(client: &mut ClaimAndCommitClient<Channel>, id: &str) -> Result<(), ()> {
+    let claimed = client
+        .claim(pb::ClaimRequest {
+            correlation_id: id.to_owned(),
+            ..Default::default()
+        })
+        .await
+        .map_err(drop)?
+        .into_inner();
+    if claimed.outcome != pb::ClaimOutcome::Claimed as i32 {
+        return Err(());
+    }
+    let committed = client
+        .commit(pb::CommitRequest {
+            correlation_id: id.to_owned(),
+            lease_token: claimed.lease_token,
+            response: vec![b'r'; 200],
+            ..Default::default()
+        })
+        .await
+        .map_err(drop)?
+        .into_inner();
+    (committed.outcome == pb::CommitOutcome::Committed as i32)
+        .then_some(())
+        .ok_or(())
+}
+
+async fn duplicate(client: &mut ClaimAndCommitClient<Channel>, id: &str) -> Result<(), ()> {
+    let again = client
+        .claim(pb::ClaimRequest {
+            correlation_id: id.to_owned(),
+            ..Default::default()
+        })
+        .await
+        .map_err(drop)?
+        .into_inner();
+    (again.outcome == pb::ClaimOutcome::Duplicate as i32)
+        .then_some(())
+        .ok_or(())
+}
+
+async fn release_and_lookup(
+    client: &mut ClaimAndCommitClient<Channel>,
+    id: &str,
+) -> Result<(), ()> {
+    let claimed = client
+        .claim(pb::ClaimRequest {
+            correlation_id: id.to_owned(),
+            ..Default::default()
+        })
+        .await
+        .map_err(drop)?
+        .into_inner();
+    client
+        .release(pb::ReleaseRequest {
+            correlation_id: id.to_owned(),
+            lease_token: claimed.lease_token,
+            ..Default::default()
+        })
+        .await
+        .map_err(drop)?;
+    client
+        .lookup(pb::LookupRequest {
+            namespace: String::new(),
+            correlation_id: id.to_owned(),
+        })
+        .await
+        .map(drop)
+        .map_err(drop)
+}
+
+fn p99(latencies: &mut [u32]) -> u32 {
+    latencies.sort_unstable();
+    latencies
+        .get((latencies.len() * 99).div_ceil(100).saturating_sub(1))
+        .copied()
+        .unwrap_or(0)
+}
+
+/// Runs the soak against `binary` in `data_dir`, printing each sample as a
+/// JSON line as it is taken.
+pub async fn run(binary: &Path, data_dir: &Path, config: &SoakConfig) -> Result<Soak, String> {
+    let retention = humantime::format_duration(config.retention).to_string();
+    let flags = vec![
+        "--default-retention".to_owned(),
+        retention,
+        "--reaper-interval".to_owned(),
+        "2s".to_owned(),
+    ];
+    let sidecar = Sidecar::start(binary, data_dir, &flags).await?;
+    let shared = Arc::new(Mutex::new(Shared::default()));
+    let started = Instant::now();
+    let end = started + config.duration;
+    let mut tasks = JoinSet::new();
+    // A channel per two tasks: one channel is one buffer worker.
+    let mut channel = None;
+    for index in 0..config.tasks {
+        if index % 2 == 0 {
+            channel = Some(
+                Channel::from_shared(format!("http://{}", sidecar.grpc))
+                    .map_err(|e| e.to_string())?
+                    .connect()
+                    .await
+                    .map_err(|e| format!("cannot connect: {e}"))?,
+            );
+        }
+        let client = ClaimAndCommitClient::new(channel.clone().expect("made above"));
+        tasks.spawn(task(client, index, end, Arc::clone(&shared)));
+    }
+
+    let data = data_dir.join("data");
+    let mut samples = Vec::new();
+    let mut last = Instant::now();
+    while Instant::now() < end {
+        tokio::time::sleep(
+            config
+                .sample_every
+                .min(end.saturating_duration_since(Instant::now())),
+        )
+        .await;
+        let (mut latencies, errors) = {
+            let mut shared = shared.lock().expect("not poisoned");
+            (
+                std::mem::take(&mut shared.latencies_us),
+                std::mem::take(&mut shared.errors),
+            )
+        };
+        let process = sidecar.sample();
+        let elapsed = last.elapsed().as_secs_f64().max(0.001);
+        last = Instant::now();
+        let sample = Sample {
+            at_s: started.elapsed().as_secs(),
+            rss_kib: process.rss_kib,
+            open_files: process.open_files,
+            disk_bytes: directory_bytes(&data),
+            p99_us: p99(&mut latencies),
+            calls_per_s: (latencies.len() as f64 / elapsed) as u64,
+            errors,
+        };
+        println!("{}", sample.json());
+        samples.push(sample);
+    }
+    while let Some(joined) = tasks.join_next().await {
+        joined.map_err(|e| format!("a load task failed: {e}"))?;
+    }
+    let committed = std::mem::take(&mut shared.lock().expect("not poisoned").committed);
+    let mut failures = judge(&samples, config);
+
+    // Nothing acknowledged lost, even by a SIGKILL: restart and check.
+    sidecar.kill_9().await;
+    let restarted = Sidecar::start(binary, data_dir, &flags).await?;
+    let mut client = ClaimAndCommitClient::connect(format!("http://{}", restarted.grpc))
+        .await
+        .map_err(|e| format!("cannot connect after the restart: {e}"))?;
+    // Newest first, so the check reaches them well inside their retention.
+    // A record must be there if its retention had not run out (less a
+    // second, for the sidecar's millisecond clock) when the lookup was
+    // answered, and gone if it had run out (plus a second) when it was sent;
+    // between the two, either is right.
+    let mut committed = committed;
+    committed.sort_by_key(|(_, at)| std::cmp::Reverse(*at));
+    let (mut checked_present, mut checked_expired) = (0, 0);
+    for (id, at) in &committed {
+        let sent_age = at.elapsed();
+        let found = client
+            .lookup(pb::LookupRequest {
+                namespace: String::new(),
+                correlation_id: id.clone(),
+            })
+            .await
+            .map_err(|e| format!("lookup after the restart: {e}"))?
+            .into_inner()
+            .found;
+        let answered_age = at.elapsed();
+        if answered_age + Duration::from_secs(1) < config.retention {
+            checked_present += 1;
+            if !found {
+                failures.push(format!(
+                    "{id}, committed {answered_age:?} before it was looked up after the restart, is lost"
+                ));
+            }
+        } else if sent_age > config.retention + Duration::from_secs(1) {
+            checked_expired += 1;
+            if found {
+                failures.push(format!(
+                    "{id}, committed {sent_age:?} ago, outlived its retention"
+                ));
+            }
+        }
+    }
+    if restarted
+        .stop(Duration::from_secs(20))
+        .await
+        .is_none_or(|status| !status.success())
+    {
+        failures.push("the restarted sidecar did not stop cleanly".into());
+    }
+    failures.truncate(20);
+    Ok(Soak {
+        samples,
+        committed: committed.len(),
+        checked_present,
+        checked_expired,
+        failures,
+    })
+}
+
+/// What is not flat after the warm-up: the last third of the samples
+/// against the first third (medians), with some slack for noise.
+fn judge(samples: &[Sample], config: &SoakConfig) -> Vec<String> {
+    let mut failures = Vec::new();
+    let errors: u64 = samples.iter().map(|s| s.errors).sum();
+    if errors > 0 {
+        failures.push(format!("{errors} calls failed"));
+    }
+    let judged: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.at_s >= config.warm_up.as_secs())
+        .collect();
+    if judged.len() < 6 {
+        failures.push(format!(
+            "only {} samples after the warm-up (at least 6)",
+            judged.len()
+        ));
+        return failures;
+    }
+    let third = judged.len() / 3;
+    let median = |part: &[&Sample], value: fn(&Sample) -> u64| {
+        let mut values: Vec<u64> = part.iter().map(|s| value(s)).collect();
+        values.sort_unstable();
+        values[values.len() / 2]
+    };
+    let (first, last) = (&judged[..third], &judged[judged.len() - third..]);
+    /// A figure, how much it may grow (times, plus), for noise.
+    type Check = (&'static str, fn(&Sample) -> u64, f64, u64);
+    let checks: [Check; 4] = [
+        ("resident memory (KiB)", |s| s.rss_kib, 1.25, 16 << 10),
+        ("open files", |s| s.open_files, 1.0, 8),
+        ("data directory (bytes)", |s| s.disk_bytes, 1.5, 16 << 20),
+        ("p99 (µs)", |s| u64::from(s.p99_us), 2.0, 2_000),
+    ];
+    for (what, value, factor, slack) in checks {
+        let (before, after) = (median(first, value), median(last, value));
+        if after as f64 > before as f64 * factor + slack as f64 {
+            failures.push(format!(
+                "{what} grew: median {before} in the first third after the warm-up, {after} in the last"
+            ));
+        }
+    }
+    failures
+}
