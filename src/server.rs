@@ -121,8 +121,8 @@ impl ConnectionLimits {
             .http2_keepalive_interval(Some(self.keepalive_interval))
             .http2_keepalive_timeout(Some(self.keepalive_timeout))
             // Set here rather than left to hyper's and h2's defaults, which
-            // have changed between versions (docs/operations.md, "HTTP/2
-            // limits"; each is exercised by `dedupd-reliability hostile`).
+            // have changed between versions (README, "HTTP/2 limits"; each
+            // is exercised by `dedupd-reliability hostile`).
             .http2_max_header_list_size(MAX_HEADER_LIST_BYTES)
             .http2_max_pending_accept_reset_streams(Some(MAX_PENDING_RESET_STREAMS))
             .http2_max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESET_STREAMS))

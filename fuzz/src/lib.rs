@@ -203,7 +203,14 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
         "request_validation" => request_seeds(),
         "config_parser" => [
             &[][..],
-            &["--store", "sled", "--data-dir", "/var/lib/dedupd", "--sync", "always"],
+            &[
+                "--store",
+                "sled",
+                "--data-dir",
+                "/var/lib/dedupd",
+                "--sync",
+                "always",
+            ],
             &[
                 "--listen",
                 "127.0.0.1:50051,unix:///run/dedupd.sock",
@@ -237,8 +244,21 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
                 "--require-key",
                 "POST /orders/**",
             ],
-            &["inject", "--tls-cert", "/tls/tls.crt", "--tls-key", "/tls/tls.key"],
-            &["claim", "--namespace", "payments", "order-1", "--lease-ttl", "30s"],
+            &[
+                "inject",
+                "--tls-cert",
+                "/tls/tls.crt",
+                "--tls-key",
+                "/tls/tls.key",
+            ],
+            &[
+                "claim",
+                "--namespace",
+                "payments",
+                "order-1",
+                "--lease-ttl",
+                "30s",
+            ],
         ]
         .iter()
         // The command line as config_parser reads it: NUL-separated.

@@ -71,8 +71,10 @@ struct HostileArgs {
     /// multiple of its quiet p99.
     #[arg(long, default_value_t = 10.0)]
     max_p99_ratio: f64,
-    /// Fail when the sidecar's resident memory exceeds this, MiB.
-    #[arg(long, default_value_t = 512)]
+    /// Fail when the sidecar's resident memory exceeds this, MiB (plus, in
+    /// the non-reading attack, 96 KiB for each stream its clients may hold:
+    /// connections × 128).
+    #[arg(long, default_value_t = 256)]
     max_rss_mib: u64,
     /// Run only these attacks (default: all).
     #[arg(long = "attack", value_parser = clap::builder::PossibleValuesParser::new(hostile::ATTACKS))]
@@ -285,9 +287,8 @@ async fn hostile(args: HostileArgs) -> ExitCode {
                 ExitCode::SUCCESS
             } else {
                 eprintln!(
-                    "dedupd-reliability: out of bounds (errors, p99 over {}x the baseline's, or RSS over {} MiB) in: {}",
+                    "dedupd-reliability: out of bounds (errors, p99 over {}x the baseline's, RSS over its bound, or silent connections kept) in: {}",
                     args.max_p99_ratio,
-                    args.max_rss_mib,
                     failed.join(", ")
                 );
                 ExitCode::FAILURE
