@@ -37,6 +37,17 @@ fn claimed(
     }
 }
 
+/// `client`'s Commit with `token`, acknowledged as a first commit.
+fn committed(client: usize, token: u128, invoked_ms: u64, completed_ms: u64) -> Operation {
+    op(
+        client,
+        Call::Commit { token },
+        invoked_ms,
+        completed_ms,
+        Answer::Committed { already: false },
+    )
+}
+
 const LEASE: Call = Call::Claim { lease_ms: 100 };
 
 fn linearizable(history: &[Operation]) -> bool {
@@ -61,13 +72,7 @@ fn a_sequential_life_is_linearizable() {
                 lease_expires_ms: 130,
             },
         ),
-        op(
-            0,
-            Call::Commit { token: 7 },
-            40,
-            42,
-            Answer::Committed { already: false },
-        ),
+        committed(0, 7, 40, 42),
         op(
             0,
             Call::Commit { token: 7 },
@@ -123,25 +128,13 @@ fn a_lost_commit_is_caught() {
     // commit did not survive (a restart lost it).
     let history = [
         op(0, LEASE, 10, 12, claimed(7, 1, 1, false, 111)),
-        op(
-            0,
-            Call::Commit { token: 7 },
-            20,
-            21,
-            Answer::Committed { already: false },
-        ),
+        committed(0, 7, 20, 21),
         op(1, LEASE, 500, 510, claimed(9, 2, 2, true, 600)),
     ];
     assert!(!linearizable(&history));
     let history = [
         op(0, LEASE, 10, 12, claimed(7, 1, 1, false, 111)),
-        op(
-            0,
-            Call::Commit { token: 7 },
-            20,
-            21,
-            Answer::Committed { already: false },
-        ),
+        committed(0, 7, 20, 21),
         op(
             1,
             Call::Lookup,
