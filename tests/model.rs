@@ -348,40 +348,51 @@ proptest! {
                 ..SledConfig::new(dir.path())
             })
             .unwrap();
+            // The shared stores' subjects run where the tests have them
+            // (a missing one is reported once, as a skip).
+            static SHARED: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
+            let (with_postgres, with_redis) = *SHARED.get_or_init(|| {
+                (common::postgres::available(), common::redis::available())
+            });
             let schemas = [common::postgres::fresh_schema(), common::postgres::fresh_schema()];
             let prefixes = [
                 common::redis::fresh_prefix(),
                 common::redis::fresh_prefix(),
                 common::redis::fresh_prefix(),
             ];
-            let tiered = Tiered::open(
-                Arc::new(common::redis::store(&prefixes[2], Arc::clone(&shared_clock)).await),
-                &common::shared::local_tier(dir.path()),
-                Arc::clone(&shared_clock),
-                None,
-            )
-            .unwrap();
-            let upkeep = tiered.keep_current();
-            common::shared::until_tier_on(&tiered).await;
             let mut subjects: Vec<(&str, Subject<AnyStore>)> = vec![
                 ("memory", Subject::new(AnyStore::Memory(MemoryStore::new()), &clock)),
                 ("sled", Subject::new(AnyStore::Sled(sled_store), &clock)),
-                ("postgres", Subject::new(AnyStore::Postgres(common::postgres::store(&schemas[0]).await), &clock)),
+            ];
+            if with_postgres {
+                subjects.push(("postgres", Subject::new(AnyStore::Postgres(common::postgres::store(&schemas[0]).await), &clock)));
                 // Two sidecars over one schema, taking turns: each one's
                 // memory of its own writes must never make an answer wrong.
-                ("two sidecars on postgres", Subject::new(AnyStore::PostgresTurns(TakingTurns::new(
+                subjects.push(("two sidecars on postgres", Subject::new(AnyStore::PostgresTurns(TakingTurns::new(
                     common::postgres::store(&schemas[1]).await,
                     common::postgres::store(&schemas[1]).await,
-                )), &clock)),
-                ("redis", Subject::new(AnyStore::Redis(
+                )), &clock)));
+            }
+            let mut upkeep = None;
+            if with_redis {
+                let tiered = Tiered::open(
+                    Arc::new(common::redis::store(&prefixes[2], Arc::clone(&shared_clock)).await),
+                    &common::shared::local_tier(dir.path()),
+                    Arc::clone(&shared_clock),
+                    None,
+                )
+                .unwrap();
+                upkeep = Some(tiered.keep_current());
+                common::shared::until_tier_on(&tiered).await;
+                subjects.push(("redis", Subject::new(AnyStore::Redis(
                     common::redis::store(&prefixes[0], Arc::clone(&shared_clock)).await,
-                ), &clock)),
-                ("two sidecars on redis", Subject::new(AnyStore::RedisTurns(TakingTurns::new(
+                ), &clock)));
+                subjects.push(("two sidecars on redis", Subject::new(AnyStore::RedisTurns(TakingTurns::new(
                     common::redis::store(&prefixes[1], Arc::clone(&shared_clock)).await,
                     common::redis::store(&prefixes[1], Arc::clone(&shared_clock)).await,
-                )), &clock)),
-                ("redis behind a local tier", Subject::new(AnyStore::Tiered(tiered), &clock)),
-            ];
+                )), &clock)));
+                subjects.push(("redis behind a local tier", Subject::new(AnyStore::Tiered(tiered), &clock)));
+            }
             for (step, op) in ops.iter().enumerate() {
                 if let Op::Advance(seconds) = op {
                     clock.advance(Duration::from_secs(*seconds));
@@ -398,12 +409,18 @@ proptest! {
                     }
                 }
             }
-            upkeep.abort();
-            for schema in &schemas {
-                common::postgres::drop_schema(schema).await;
+            if let Some(upkeep) = upkeep {
+                upkeep.abort();
             }
-            for prefix in &prefixes {
-                common::redis::drop_prefix(prefix).await;
+            if with_postgres {
+                for schema in &schemas {
+                    common::postgres::drop_schema(schema).await;
+                }
+            }
+            if with_redis {
+                for prefix in &prefixes {
+                    common::redis::drop_prefix(prefix).await;
+                }
             }
             Ok(())
         })?;

@@ -1,6 +1,7 @@
 //! The PostgreSQL store: the shared-store scenarios (tests/common/shared.rs),
 //! migrations from many sidecars at once, an outage, reaping together, and
-//! TLS. Against the machine's PostgreSQL, each test in a schema of its own.
+//! TLS. Against the tests' PostgreSQL (see `dedupd-testkit`), each test in a
+//! schema of its own; TLS against a server of the test's own.
 
 mod common;
 
@@ -11,17 +12,26 @@ use dedupd::{proto::v1 as pb, store::postgres::PostgresStore};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_sidecars_over_one_postgres_behave_as_one() {
+    if !postgres::available() {
+        return;
+    }
     shared::two_sidecars_behave_as_one(Space::postgres()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixty_four_tasks_on_three_sidecars_one_winner_per_round() {
+    if !postgres::available() {
+        return;
+    }
     shared::sidecars_race_for_one_key(Space::postgres()).await;
 }
 
 /// N sidecars starting at once migrate the schema once, without errors.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sidecars_starting_together_migrate_once() {
+    if !postgres::available() {
+        return;
+    }
     let schema = postgres::fresh_schema();
     let stores: Vec<_> = (0..6)
         .map(|_| PostgresStore::new(&postgres::config(&schema)).unwrap())
@@ -38,7 +48,7 @@ async fn sidecars_starting_together_migrate_once() {
             .unwrap()
             .expect("every sidecar finds the schema ready");
     }
-    let (client, connection) = tokio_postgres::connect(postgres::URL, tokio_postgres::NoTls)
+    let (client, connection) = tokio_postgres::connect(postgres::url(), tokio_postgres::NoTls)
         .await
         .unwrap();
     tokio::spawn(connection);
@@ -60,11 +70,14 @@ async fn sidecars_starting_together_migrate_once() {
 /// by itself when the server is back, its records intact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_postgres_is_unavailable_and_recovers_by_itself() {
+    if !postgres::available() {
+        return;
+    }
     let schema = postgres::fresh_schema();
-    let forwarder = Forwarder::start(5432).await;
+    let forwarder = Forwarder::start(postgres::port()).await;
     forwarder.cut();
     let store = PostgresStore::new(&dedupd::store::postgres::PostgresConfig {
-        url: format!("postgres://postgres@127.0.0.1:{}/test", forwarder.port),
+        url: postgres::url_via(forwarder.port),
         statement_timeout: std::time::Duration::from_secs(1),
         ..postgres::config(&schema)
     })
@@ -112,6 +125,9 @@ async fn an_unreachable_postgres_is_unavailable_and_recovers_by_itself() {
 /// harmlessly: every expired row goes, live ones stay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_sidecars_reap_together_harmlessly() {
+    if !postgres::available() {
+        return;
+    }
     use dedupd::{clock::UnixMillis, store::Store};
 
     let schema = postgres::fresh_schema();
@@ -172,39 +188,63 @@ async fn two_sidecars_reap_together_harmlessly() {
     postgres::drop_schema(&schema).await;
 }
 
-/// TLS to PostgreSQL with rustls: `sslmode=require` against the machine's
-/// server (Debian's snakeoil certificate, issued to `localhost`) works when
-/// that certificate is trusted, and is refused when another CA is.
+/// TLS to PostgreSQL with rustls: `sslmode=require` against a server of
+/// the test's own with a certificate issued to `localhost` works when that
+/// certificate is trusted (`--store-ca-file`), and is refused — as an
+/// unreachable store, never silently in plaintext — when another CA is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_to_postgres_is_verified() {
-    const SNAKEOIL: &str = "/etc/ssl/certs/ssl-cert-snakeoil.pem";
+    let certificate = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+    let started = tokio::task::spawn_blocking({
+        let (cert, key) = (
+            certificate.cert.pem(),
+            certificate.signing_key.serialize_pem(),
+        );
+        move || dedupd_testkit::services::start_postgres_tls(cert.as_bytes(), key.as_bytes())
+    })
+    .await
+    .unwrap();
+    let server = match started {
+        Ok(Some(server)) => server,
+        Ok(None) => {
+            return dedupd_testkit::skip_for_store(
+                "no PostgreSQL server binaries (initdb, postgres) to start one speaking TLS",
+            )
+        }
+        Err(error) => panic!("a PostgreSQL speaking TLS: {error}"),
+    };
     let schema = postgres::fresh_schema();
-    let url = "postgres://postgres@localhost:5432/test?sslmode=require".to_owned();
+    let url = format!(
+        "postgres://postgres@localhost:{}/postgres?sslmode=require",
+        server.port
+    );
     let trusted = PostgresStore::new(&dedupd::store::postgres::PostgresConfig {
         url: url.clone(),
-        ca_pem: Some(std::fs::read(SNAKEOIL).expect("the server's certificate")),
-        ..postgres::config(&schema)
+        ca_pem: Some(certificate.cert.pem().into_bytes()),
+        schema: schema.clone(),
+        ..tls_config()
     })
     .unwrap();
     trusted
         .prepare()
         .await
         .expect("TLS with the trusted certificate");
-    let server = TestServer::builder()
+    let sidecar = TestServer::builder()
         .start_with_store(Arc::new(trusted))
         .await;
-    let mut client = server.client().await;
+    let mut client = sidecar.client().await;
     assert_eq!(
         outcome(&claim(&mut client, claim_request("over-tls")).await),
         pb::ClaimOutcome::Claimed
     );
-    server.stop().await.unwrap();
+    sidecar.stop().await.unwrap();
 
     let stranger = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
     let distrusting = PostgresStore::new(&dedupd::store::postgres::PostgresConfig {
         url,
         ca_pem: Some(stranger.cert.pem().into_bytes()),
-        ..postgres::config(&schema)
+        schema,
+        ..tls_config()
     })
     .unwrap();
     let refused = distrusting.prepare().await.unwrap_err();
@@ -212,5 +252,18 @@ async fn tls_to_postgres_is_verified() {
         matches!(refused, dedupd::Error::Unavailable(_)),
         "an untrusted certificate is no server: {refused:?}"
     );
-    postgres::drop_schema(&schema).await;
+    tokio::task::spawn_blocking(move || drop(server))
+        .await
+        .unwrap();
+}
+
+/// Settings for a store on a server of the test's own (not the suite's).
+fn tls_config() -> dedupd::store::postgres::PostgresConfig {
+    dedupd::store::postgres::PostgresConfig {
+        url: String::new(),
+        schema: String::new(),
+        pool_size: 4,
+        statement_timeout: std::time::Duration::from_secs(5),
+        ca_pem: None,
+    }
 }

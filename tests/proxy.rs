@@ -536,6 +536,9 @@ async fn the_record_survives_a_kill_9_between_request_and_retry_on_sled() {
 /// sidecar helper's `--listen 127.0.0.1:0` lands there) on PostgreSQL.
 #[tokio::test]
 async fn the_record_survives_a_kill_9_between_request_and_retry_on_postgres() {
+    if !common::postgres::available() {
+        return;
+    }
     let schema = common::postgres::fresh_schema();
     record_survives_a_kill_9(&[
         "http-proxy",
@@ -544,7 +547,7 @@ async fn the_record_survives_a_kill_9_between_request_and_retry_on_postgres() {
         "--store",
         "postgres",
         "--store-url",
-        common::postgres::URL,
+        common::postgres::url(),
         "--store-schema",
         &schema,
         "--upstream",

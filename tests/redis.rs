@@ -1,7 +1,8 @@
 //! The Redis store: the shared-store scenarios (tests/common/shared.rs),
 //! fencing tokens across expiry, an outage (with the local tier cleared and
 //! off while its deletion feed is gone), and what the store leaves in Redis.
-//! Against the machine's Redis, each test under a key prefix of its own.
+//! Against the tests' Redis (see `dedupd-testkit`), each test under a key
+//! prefix of its own; TLS against a redis-server of the test's own.
 
 mod common;
 
@@ -16,11 +17,17 @@ use dedupd::{
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_sidecars_over_one_redis_behave_as_one() {
+    if !redis::available() {
+        return;
+    }
     shared::two_sidecars_behave_as_one(Space::redis()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixty_four_tasks_on_three_sidecars_one_winner_per_round() {
+    if !redis::available() {
+        return;
+    }
     shared::sidecars_race_for_one_key(Space::redis()).await;
 }
 
@@ -28,6 +35,9 @@ async fn sixty_four_tasks_on_three_sidecars_one_winner_per_round() {
 /// fencing token above every earlier one, from any sidecar.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fencing_tokens_increase_after_a_record_expired() {
+    if !redis::available() {
+        return;
+    }
     let space = Space::redis();
     let Space::Redis(prefix) = &space else {
         unreachable!()
@@ -81,14 +91,17 @@ async fn fencing_tokens_increase_after_a_record_expired() {
 /// back, the records intact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_redis_is_unavailable_and_recovers_by_itself() {
+    if !redis::available() {
+        return;
+    }
     let prefix = redis::fresh_prefix();
-    let forwarder = Forwarder::start(6379).await;
+    let forwarder = Forwarder::start(redis::port()).await;
     forwarder.cut();
     let dir = tempfile::tempdir().unwrap();
     let clock = dedupd::clock::ManualClock::new(START);
     let store = RedisStore::new(
         &dedupd::store::redis::RedisConfig {
-            url: format!("redis://127.0.0.1:{}", forwarder.port),
+            url: redis::url_via(forwarder.port),
             timeout: Duration::from_secs(1),
             ..redis::config(&prefix)
         },
@@ -171,6 +184,9 @@ async fn an_unreachable_redis_is_unavailable_and_recovers_by_itself() {
 /// Forget removes the record's key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_are_one_expiring_hash_each() {
+    if !redis::available() {
+        return;
+    }
     let space = Space::redis();
     let Space::Redis(prefix) = &space else {
         unreachable!()
@@ -227,48 +243,48 @@ async fn tls_to_redis_is_verified() {
     let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
     std::fs::write(&cert, server.cert.pem()).unwrap();
     std::fs::write(&key, server.signing_key.serialize_pem()).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let mut redis_tls = std::process::Command::new("redis-server")
-        .args([
-            "--port",
-            "0",
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
-        .args(["--tls-port", &port.to_string(), "--tls-auth-clients", "no"])
-        .arg("--tls-cert-file")
-        .arg(&cert)
-        .arg("--tls-key-file")
-        .arg(&key)
-        .arg("--tls-ca-cert-file")
-        .arg(&cert)
-        .arg("--dir")
-        .arg(dir.path())
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("redis-server on PATH");
+    let port = dedupd_testkit::services::free_port();
+    let tls_only: Vec<std::ffi::OsString> = vec![
+        "--port".into(),
+        "0".into(),
+        "--tls-port".into(),
+        port.to_string().into(),
+        "--tls-auth-clients".into(),
+        "no".into(),
+        "--tls-cert-file".into(),
+        cert.clone().into(),
+        "--tls-key-file".into(),
+        key.clone().into(),
+        "--tls-ca-cert-file".into(),
+        cert.clone().into(),
+    ];
+    let redis_tls = match dedupd_testkit::services::spawn_redis(&tls_only) {
+        Ok(Some(server)) => server,
+        Ok(None) => {
+            return dedupd_testkit::skip_for_store(
+                "no redis-server binary to start one speaking TLS (install redis-server)",
+            )
+        }
+        Err(error) => panic!("a redis-server speaking TLS: {error}"),
+    };
     let url = format!("rediss://localhost:{port}");
     let clock: Arc<dyn Clock> = Arc::new(dedupd::clock::ManualClock::new(START));
     let trusted = RedisStore::new(
         &dedupd::store::redis::RedisConfig {
             url: url.clone(),
             ca_pem: Some(server.cert.pem().into_bytes()),
-            ..redis::config("tls")
+            ..tls_config()
         },
         Arc::clone(&clock),
     )
     .unwrap();
     let started = std::time::Instant::now();
     while trusted.ping().await.is_err() {
-        assert!(started.elapsed() < Duration::from_secs(10), "no TLS answer");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "no TLS answer: {}",
+            std::fs::read_to_string(redis_tls.dir.join("server.log")).unwrap_or_default()
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let sidecar = TestServer::builder()
@@ -286,7 +302,7 @@ async fn tls_to_redis_is_verified() {
         &dedupd::store::redis::RedisConfig {
             url,
             ca_pem: Some(stranger.cert.pem().into_bytes()),
-            ..redis::config("tls")
+            ..tls_config()
         },
         clock,
     )
@@ -296,6 +312,18 @@ async fn tls_to_redis_is_verified() {
         matches!(refused, dedupd::Error::Unavailable(_)),
         "an untrusted certificate is no server: {refused:?}"
     );
-    redis_tls.kill().unwrap();
-    redis_tls.wait().unwrap();
+    tokio::task::spawn_blocking(move || drop(redis_tls))
+        .await
+        .unwrap();
+}
+
+/// Settings for a store on a server of the test's own (not the suite's).
+fn tls_config() -> dedupd::store::redis::RedisConfig {
+    dedupd::store::redis::RedisConfig {
+        url: String::new(),
+        prefix: "tls".into(),
+        connections: 4,
+        timeout: Duration::from_secs(5),
+        ca_pem: None,
+    }
 }

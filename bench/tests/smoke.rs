@@ -1,7 +1,8 @@
 //! A smoke run of every target and workload of `dedupd-bench load`: it works
 //! and checks itself. Never a timing assertion. The sidecar and the no-op
 //! server run in this process on `127.0.0.1:0`; Redis and PostgreSQL are the
-//! machine's own.
+//! tests' (see `dedupd-testkit`: given, the machine's, or started for the
+//! run), each skipped loudly where there is none.
 
 use std::{process::Command, sync::Arc};
 
@@ -66,12 +67,24 @@ async fn every_target_and_workload_runs_and_checks_itself() {
         let _ = noop_stopped.await;
     }));
 
-    let targets = [
+    let mut targets = vec![
         format!("dedupd://{sidecar_addr}"),
         format!("noop://{noop_addr}"),
-        "redis://127.0.0.1:6379".to_owned(),
-        "postgres://postgres@127.0.0.1:5432/test".to_owned(),
     ];
+    let shared = tokio::task::spawn_blocking(|| {
+        (
+            dedupd_testkit::services::require_redis(),
+            dedupd_testkit::services::require_postgres(),
+        )
+    })
+    .await
+    .unwrap();
+    targets.extend(
+        [shared.0, shared.1]
+            .into_iter()
+            .flatten()
+            .map(|service| service.url.clone()),
+    );
     for target in &targets {
         for (workload, extra) in [
             ("claim", vec![]),

@@ -1,11 +1,41 @@
-//! The machine's PostgreSQL (127.0.0.1:5432, database `test`), one fresh
-//! schema per test so runs never collide; dropped again by `drop_schema`.
+//! The tests' PostgreSQL (given, the machine's, or started for the run:
+//! see `dedupd-testkit`), one fresh schema per test so runs never collide;
+//! dropped again by `drop_schema`.
 
 use std::time::Duration;
 
 use dedupd::store::postgres::{PostgresConfig, PostgresStore};
 
-pub const URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+/// Whether there is a PostgreSQL for the tests; if not, the running test is
+/// reported skipped (a failure under `CI=true`) and must return.
+pub fn available() -> bool {
+    dedupd_testkit::services::require_postgres().is_some()
+}
+
+/// Where the tests' PostgreSQL answers. A test that can run without one
+/// asks [`available`] first; here its absence is a failure.
+pub fn url() -> &'static str {
+    match dedupd_testkit::postgres() {
+        Some(service) => &service.url,
+        None => panic!(
+            "this test needs PostgreSQL and there is none: set DEDUPD_TEST_POSTGRES_URL, \
+             run one on 127.0.0.1:5432, or install its server (initdb, postgres)"
+        ),
+    }
+}
+
+/// The port it listens on at 127.0.0.1.
+pub fn port() -> u16 {
+    url();
+    dedupd_testkit::postgres().map_or(5432, |service| service.port)
+}
+
+/// [`url`], reached through `port` on 127.0.0.1 instead (a forwarder).
+pub fn url_via(port: u16) -> String {
+    let written = format!(":{}/", self::port());
+    assert!(url().contains(&written), "{} names no port", url());
+    url().replacen(&written, &format!(":{port}/"), 1)
+}
 
 /// A schema name no other test uses.
 pub fn fresh_schema() -> String {
@@ -14,7 +44,7 @@ pub fn fresh_schema() -> String {
 
 pub fn config(schema: &str) -> PostgresConfig {
     PostgresConfig {
-        url: URL.to_owned(),
+        url: url().to_owned(),
         schema: schema.to_owned(),
         pool_size: 8,
         statement_timeout: Duration::from_secs(5),
@@ -28,13 +58,13 @@ pub async fn store(schema: &str) -> PostgresStore {
     store
         .prepare()
         .await
-        .expect("PostgreSQL on 127.0.0.1:5432 (database test) must answer");
+        .unwrap_or_else(|error| panic!("PostgreSQL at {} must answer: {error}", url()));
     store
 }
 
 /// Drops `schema` and everything in it.
 pub async fn drop_schema(schema: &str) {
-    let (client, connection) = tokio_postgres::connect(URL, tokio_postgres::NoTls)
+    let (client, connection) = tokio_postgres::connect(url(), tokio_postgres::NoTls)
         .await
         .expect("connect");
     let connection = tokio::spawn(connection);

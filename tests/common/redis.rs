@@ -1,5 +1,6 @@
-//! The machine's Redis (127.0.0.1:6379), one fresh key prefix per test so
-//! runs never collide; its keys deleted again by `drop_prefix`.
+//! The tests' Redis (given, the machine's, or started for the run: see
+//! `dedupd-testkit`), one fresh key prefix per test so runs never collide;
+//! its keys deleted again by `drop_prefix`.
 
 use std::{sync::Arc, time::Duration};
 
@@ -8,7 +9,36 @@ use dedupd::{
     store::redis::{RedisConfig, RedisStore},
 };
 
-pub const URL: &str = "redis://127.0.0.1:6379";
+/// Whether there is a Redis for the tests; if not, the running test is
+/// reported skipped (a failure under `CI=true`) and must return.
+pub fn available() -> bool {
+    dedupd_testkit::services::require_redis().is_some()
+}
+
+/// Where the tests' Redis answers. A test that can run without one asks
+/// [`available`] first; here its absence is a failure.
+pub fn url() -> &'static str {
+    match dedupd_testkit::redis() {
+        Some(service) => &service.url,
+        None => panic!(
+            "this test needs Redis and there is none: set DEDUPD_TEST_REDIS_URL, \
+             run one on 127.0.0.1:6379, or install redis-server"
+        ),
+    }
+}
+
+/// The port it listens on at 127.0.0.1.
+pub fn port() -> u16 {
+    url();
+    dedupd_testkit::redis().map_or(6379, |service| service.port)
+}
+
+/// [`url`], reached through `port` on 127.0.0.1 instead (a forwarder).
+pub fn url_via(port: u16) -> String {
+    let written = format!(":{}", self::port());
+    assert!(url().contains(&written), "{} names no port", url());
+    url().replacen(&written, &format!(":{port}"), 1)
+}
 
 /// A key prefix no other test uses.
 pub fn fresh_prefix() -> String {
@@ -17,7 +47,7 @@ pub fn fresh_prefix() -> String {
 
 pub fn config(prefix: &str) -> RedisConfig {
     RedisConfig {
-        url: URL.to_owned(),
+        url: url().to_owned(),
         prefix: prefix.to_owned(),
         connections: 4,
         timeout: Duration::from_secs(5),
@@ -31,17 +61,17 @@ pub async fn store(prefix: &str, clock: Arc<dyn Clock>) -> RedisStore {
     store
         .ping()
         .await
-        .expect("Redis on 127.0.0.1:6379 must answer");
+        .unwrap_or_else(|error| panic!("Redis at {} must answer: {error}", url()));
     store
 }
 
 /// A plain connection for looking at what the store wrote.
 pub async fn connection() -> redis::aio::MultiplexedConnection {
-    redis::Client::open(URL)
+    redis::Client::open(url())
         .unwrap()
         .get_multiplexed_async_connection()
         .await
-        .expect("Redis on 127.0.0.1:6379 must answer")
+        .unwrap_or_else(|error| panic!("Redis at {} must answer: {error}", url()))
 }
 
 /// Every key under `prefix`.
