@@ -115,6 +115,12 @@ async fn serve_shared<S: Store + DeletionFeed>(
 
 /// Binds every listener and runs the server on `store` until shutdown.
 async fn serve_on<S: Store>(store: Arc<S>, settings: &Settings, server: ServerConfig) -> ExitCode {
+    if let Err(error) =
+        dedupd::server::fail_stop_watchdog(Arc::clone(&store), server.shutdown_grace)
+    {
+        tracing::error!(%error, "cannot start the fail-stop watchdog");
+        return ExitCode::FAILURE;
+    }
     let mut grpc = Vec::with_capacity(settings.listen.len());
     for address in &settings.listen {
         match Listener::bind(address).await {

@@ -461,6 +461,38 @@ impl Drop for RemoveOnDrop {
 /// The least time the final sync gets, even when the grace period is spent.
 const FINAL_SYNC_MIN: Duration = Duration::from_secs(2);
 
+/// How often the fail-stop watchdog asks the store for its health.
+const WATCHDOG_INTERVAL: Duration = Duration::from_millis(250);
+
+/// Ends the process (exit code 1) if it still runs `grace` plus the final
+/// sync's time plus a second after `store` reported a permanent failure.
+///
+/// [`run`] stops by itself when the store fails, but only while the runtime
+/// runs: a store call that never returns (sled on a failing disk) can hold
+/// every worker thread, and then neither the health check nor the shutdown
+/// ever runs. This watchdog is a plain thread asking [`Store::health`]
+/// (which notices such a call itself), so a failed store always ends the
+/// process and Kubernetes restarts it. For the binary only: it ends the
+/// process it runs in.
+pub fn fail_stop_watchdog<S: Store>(store: Arc<S>, grace: Duration) -> std::io::Result<()> {
+    let deadline = grace + FINAL_SYNC_MIN + Duration::from_secs(1);
+    std::thread::Builder::new()
+        .name("dedupd-fail-stop".into())
+        .spawn(move || loop {
+            std::thread::sleep(WATCHDOG_INTERVAL);
+            if let Err(error) = store.health() {
+                std::thread::sleep(deadline);
+                tracing::error!(
+                    %error,
+                    waited = ?deadline,
+                    "the store failed and dedupd did not stop by itself (a store call holds the runtime): exiting now"
+                );
+                std::process::exit(1);
+            }
+        })
+        .map(drop)
+}
+
 /// Aborts a task when dropped, so no task outlives `run`, whichever way it
 /// returns.
 struct AbortOnDrop(tokio::task::JoinHandle<()>);

@@ -637,10 +637,13 @@ async fn reaper_removes_expired_records_from_disk() {
     server.stop().await.unwrap();
 }
 
+/// Responses of 1 MiB (the most a Commit may cache when so configured) come
+/// back whole after a restart. What this proves is the round trip through
+/// sled's separate blob files, on every store; a graceful restart reads
+/// them back from the page cache, so that they are synced before the
+/// answer is proven by faults.rs's `a_large_response_is_synced_before_its_answer`.
 #[tokio::test]
 async fn one_mebibyte_responses_survive_a_restart() {
-    // Entries this large go to sled's separate blob files, which the
-    // committer must sync too.
     let server = TestServer::start_with(|config| config.limits.max_response_bytes = 1 << 20).await;
     let mut client = server.client().await;
     let response: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();

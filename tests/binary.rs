@@ -13,6 +13,7 @@ mod common;
 
 use common::{
     claim_and_commit,
+    faultshim::{Fault, FaultyDisk},
     sidecar::{open_descriptors, terminate, Sidecar, BINARY},
 };
 use dedupd::proto::v1 as pb;
@@ -128,40 +129,77 @@ async fn every_acknowledged_commit_survives_kill_9() {
     }
 }
 
+/// SIGTERM while eight Claims wait for a disk sync (each sync slowed to
+/// 300 ms by the fault shim): the calls are drained — every one answered
+/// CLAIMED, none cut off — the process exits 0 within the grace having
+/// synced the store, the ready file is gone, and after a restart every one
+/// of those claims is there.
 // Multi-threaded: `terminate` blocks this thread while the client's
-// connection task must go on answering the server's GOAWAY.
+// connection tasks must go on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_syncs_and_exits_zero() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut sidecar = Sidecar::start(dir.path());
-    let mut client = sidecar.client().await;
-    let claimed = client
-        .claim(claim_request("before-term"))
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(claimed.outcome, pb::ClaimOutcome::Claimed as i32);
-
-    drop(client);
-    let (code, log) = terminate(&mut sidecar);
+    let disk = FaultyDisk::new();
+    let mut sidecar = disk.start(&["--shutdown-grace", "10s"]);
+    let client = sidecar.client().await;
+    disk.switch_on(Fault::SlowSync);
+    let in_flight: Vec<_> = (0..8)
+        .map(|i| {
+            let mut client = client.clone();
+            tokio::spawn(async move {
+                client
+                    .claim(claim_request(&format!("drained-{i}")))
+                    .await
+                    .map(|answer| answer.into_inner().outcome)
+                    .map_err(|status| status.code())
+            })
+        })
+        .collect();
+    let started = Instant::now();
+    while !disk.tripped(Fault::SlowSync) {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "no sync started"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        in_flight.iter().all(|call| !call.is_finished()),
+        "the claims must still wait for their sync at SIGTERM"
+    );
+    let (code, log) = terminate(&mut sidecar, Duration::from_secs(10 + 2 + 2));
     assert_eq!(code, Some(0), "{log}");
     assert!(log.contains("SIGTERM received"), "{log}");
     assert!(log.contains("store synced"), "{log}");
+    for (i, call) in in_flight.into_iter().enumerate() {
+        assert_eq!(
+            call.await.unwrap(),
+            Ok(pb::ClaimOutcome::Claimed as i32),
+            "drained-{i} was in flight at SIGTERM: {log}"
+        );
+    }
     assert!(
         !sidecar.ready_dir.path().join("ready.json").exists(),
         "the ready file is removed on exit"
     );
     drop(sidecar);
 
-    // What was claimed before SIGTERM is there after the restart.
-    let sidecar = Sidecar::start(dir.path());
+    // What was claimed before and during SIGTERM is there after the restart.
+    disk.switch_off(Fault::SlowSync);
+    let sidecar = Sidecar::start(&disk.data());
     let mut client = sidecar.client().await;
-    let again = client
-        .claim(claim_request("before-term"))
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(again.outcome, pb::ClaimOutcome::InProgress as i32);
+    for i in 0..8 {
+        let again = client
+            .claim(claim_request(&format!("drained-{i}")))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            again.outcome,
+            pb::ClaimOutcome::InProgress as i32,
+            "drained-{i}"
+        );
+    }
 }
 
 #[test]
@@ -506,7 +544,7 @@ async fn running_out_of_descriptors_is_an_overload_that_passes() {
     let _idle: Vec<_> = (0..200)
         .map(|_| std::net::TcpStream::connect(sidecar.addr).unwrap())
         .collect();
-    let (code, log) = terminate(&mut sidecar);
+    let (code, log) = terminate(&mut sidecar, Duration::from_secs(3 + 2 + 2));
     assert_eq!(code, Some(0), "{log}");
 }
 

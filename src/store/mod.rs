@@ -17,6 +17,7 @@ pub mod postgres;
 pub mod redis;
 pub mod shared;
 pub mod sled;
+mod stall;
 pub mod tiered;
 
 use std::{fmt, future::Future, time::Duration};

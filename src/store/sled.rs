@@ -48,6 +48,7 @@ use tokio::sync::{oneshot, watch};
 use super::{
     codec::{decode_mark, decode_record, encode_mark, encode_record, record_retain_until},
     disk::{DiskSpace, WriteKind},
+    stall::{busy, watch_syncs, Busy, StallWatch, PROBE_AFTER},
     IssueFencing, ReapReport, Store, StoreObserver, StoreStats,
 };
 use crate::{
@@ -183,44 +184,25 @@ impl Failure {
         reason
     }
 
+    /// What a write sled could not make means. sled keeps an I/O error of
+    /// its log for good (every later write fails with it), and an error the
+    /// disk returned (EIO, EROFS) means it can no longer be trusted: the
+    /// store fails for good (fail-stop), which also answers every caller
+    /// waiting for a sync at once. A full disk or a short resource is a
+    /// refusal of this one write, as before.
+    fn write_failed(&self, error: sled::Error) -> Error {
+        match Error::from(error) {
+            Error::Io(io) => {
+                Error::Unavailable(self.fail(format!("disk write failed ({io}); restart dedupd")))
+            }
+            refused => refused,
+        }
+    }
+
     /// Resolves once the store has failed.
     async fn failed(&self) {
         let mut failed = self.failed.subscribe();
         let _ = failed.wait_for(|failed| *failed).await;
-    }
-}
-
-/// Notices a disk sync that never returns (sled wedged by a full disk, a
-/// dead device): the committer stamps when each sync starts, health checks
-/// compare against the limit.
-#[derive(Debug)]
-struct StallWatch {
-    opened: Instant,
-    /// Milliseconds after `opened` when the running sync started; 0: none.
-    sync_started_ms: AtomicU64,
-    limit: Duration,
-}
-
-impl StallWatch {
-    fn now_ms(&self) -> u64 {
-        u64::try_from(self.opened.elapsed().as_millis())
-            .unwrap_or(u64::MAX)
-            .max(1)
-    }
-
-    fn starting(&self) {
-        self.sync_started_ms.store(self.now_ms(), SeqCst);
-    }
-
-    fn done(&self) {
-        self.sync_started_ms.store(0, SeqCst);
-    }
-
-    /// How long the running sync has taken, if it is over the limit.
-    fn stalled(&self) -> Option<Duration> {
-        let started = self.sync_started_ms.load(SeqCst);
-        let running = Duration::from_millis(self.now_ms().saturating_sub(started));
-        (started != 0 && running > self.limit).then_some(running)
     }
 }
 
@@ -232,6 +214,9 @@ const STATS_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(30);
 struct Committer {
     queue: mpsc::Sender<Waiter>,
     thread: thread::JoinHandle<()>,
+    /// Dropped with the committer: the sync watch ends (never joined, since
+    /// a probe on a wedged disk may never return).
+    _sync_watch: mpsc::Sender<()>,
 }
 
 type Waiter = oneshot::Sender<Result<(), SyncRefusal>>;
@@ -328,11 +313,7 @@ impl SledStore {
 
         let counters = Arc::new(WriteCounters::default());
         let failure = Arc::new(Failure::new());
-        let stall = Arc::new(StallWatch {
-            opened: Instant::now(),
-            sync_started_ms: AtomicU64::new(0),
-            limit: config.stall_timeout,
-        });
+        let stall = Arc::new(StallWatch::new(config.stall_timeout));
         let space = DiskSpace::new(config.path.clone(), config.disk_reserve_bytes);
         space.refresh()?;
         let committer = match config.sync {
@@ -382,7 +363,12 @@ impl SledStore {
     fn issue_fencing(&self) -> Result<FencingToken, Error> {
         // sled persists its ID generator ahead of use and skips past the
         // persisted value on recovery, so IDs never repeat across restarts.
-        Ok(FencingToken(self.inner.db.generate_id()? + 1))
+        let id = self
+            .inner
+            .db
+            .generate_id()
+            .map_err(|error| self.inner.failure.write_failed(error))?;
+        Ok(FencingToken(id + 1))
     }
 }
 
@@ -403,7 +389,10 @@ impl Inner {
             WriteKind::Delete
         })?;
         let write = WriteGuard::new(&self.counters);
-        match tree.compare_and_swap(key, current, replacement)? {
+        let swapped = tree
+            .compare_and_swap(key, current, replacement)
+            .map_err(|error| self.failure.write_failed(error))?;
+        match swapped {
             Ok(()) => Ok(Ok(())),
             Err(conflict) => {
                 write.cancel();
@@ -416,6 +405,7 @@ impl Inner {
     /// `now`: at most `budget` removals, and `budget × SWEEP_PER_REMOVAL`
     /// entries looked at, over both trees.
     fn reap(&self, now: UnixMillis, budget: usize) -> Result<ReapReport, Error> {
+        let _busy = self.enter()?;
         let mut report = ReapReport::default();
         let limit = budget.saturating_mul(SWEEP_PER_REMOVAL);
         let trees: [(&sled::Tree, RetainUntilOf); 2] = [
@@ -466,6 +456,16 @@ impl Inner {
         Ok(report)
     }
 
+    /// Starts a sled call: refused once the store has failed (sled may
+    /// block any call for good on a failed disk, reads included, since a
+    /// read can split a node), else marked busy for the stall watch.
+    fn enter(&self) -> Result<Busy, Error> {
+        match self.failure.get() {
+            Some(reason) => Err(Error::Unavailable(reason.clone())),
+            None => Ok(busy()),
+        }
+    }
+
     fn sync_now(&self) -> Result<(), Error> {
         self.db.flush()?;
         self.log_file.sync_data()?;
@@ -479,6 +479,7 @@ impl Store for SledStore {
         T: Send,
         F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
     {
+        let _busy = self.inner.enter()?;
         let inner = &self.inner;
         let key = key.to_bytes();
         let mut issue = || self.issue_fencing();
@@ -520,6 +521,7 @@ impl Store for SledStore {
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
+        let _busy = self.inner.enter()?;
         self.inner
             .records
             .get(key.to_bytes())?
@@ -532,6 +534,7 @@ impl Store for SledStore {
     where
         F: FnMut(Option<SequenceMark>) -> Option<SequenceMark> + Send,
     {
+        let _busy = self.inner.enter()?;
         let inner = &self.inner;
         let key = scope.to_bytes();
         let mut current_bytes = inner.marks.get(&key)?;
@@ -549,6 +552,7 @@ impl Store for SledStore {
     }
 
     async fn get_mark(&self, scope: &OrderingScope) -> Result<Option<SequenceMark>, Error> {
+        let _busy = self.inner.enter()?;
         self.inner
             .marks
             .get(scope.to_bytes())?
@@ -574,6 +578,9 @@ impl Store for SledStore {
             return Err(Error::Unavailable("the store is closed".into()));
         }
         tokio::select! {
+            // The committer's answer is the truth about its group; the
+            // failure is for a sync that never answers.
+            biased;
             synced = synced => match synced {
                 Ok(result) => result.map_err(Error::from),
                 Err(_) => Err(Error::Unavailable("the store is closed".into())),
@@ -595,12 +602,8 @@ impl Store for SledStore {
 
     fn health(&self) -> Result<(), Error> {
         let inner = &self.inner;
-        if let Some(running) = inner.stall.stalled() {
-            let reason = format!(
-                "the store stopped answering: a disk sync has run for {} (over the stall timeout); restart dedupd",
-                crate::api::human_duration(Duration::from_secs(running.as_secs()))
-            );
-            inner.failure.fail(reason);
+        if let Some(stall) = inner.stall.stalled() {
+            inner.failure.fail(stall.reason());
         }
         match inner.failure.get() {
             Some(reason) => Err(Error::Unavailable(reason.clone())),
@@ -634,9 +637,14 @@ impl Store for SledStore {
         // Later durable() calls fail fast; waiters already queued are still
         // answered by the committer, which exits once the queue is drained.
         let committer = self.inner.committer.lock().expect("lock").take();
+        // A failed store syncs nothing more, and its committer may be stuck
+        // in sled for good: do not wait for it.
+        if let Some(reason) = self.inner.failure.get() {
+            return Err(Error::Unavailable(reason.clone()));
+        }
         let inner = Arc::clone(&self.inner);
         tokio::task::spawn_blocking(move || {
-            if let Some(Committer { queue, thread }) = committer {
+            if let Some(Committer { queue, thread, .. }) = committer {
                 drop(queue);
                 let _ = thread.join();
             }
@@ -661,6 +669,8 @@ fn spawn_committer(
     observer: Option<Arc<dyn StoreObserver>>,
 ) -> Result<Committer, Error> {
     let (queue, waiters) = mpsc::channel::<Waiter>();
+    let (db_for_watch, stall_for_watch, failure_for_watch) =
+        (db.clone(), Arc::clone(&stall), Arc::clone(&failure));
     let thread = thread::Builder::new()
         .name("dedupd-committer".into())
         .spawn(move || {
@@ -675,13 +685,13 @@ fn spawn_committer(
                     None => {
                         let finished = counters.finished.load(SeqCst);
                         let started = std::time::Instant::now();
-                        stall.starting();
+                        stall.sync_starting();
                         let flushed = db.flush().map_err(Error::from);
                         let flush_time = started.elapsed();
                         let synced = flushed
                             .and_then(|_| log_file.sync_data().map_err(Error::from))
                             .and_then(|()| blobs.sync_new());
-                        stall.done();
+                        stall.sync_done();
                         let elapsed = started.elapsed();
                         tracing::trace!(
                             group = batch.len(),
@@ -719,8 +729,37 @@ fn spawn_committer(
                 }
             }
         })?;
-    Ok(Committer { queue, thread })
+    let (sync_watch, stop) = mpsc::channel();
+    thread::Builder::new()
+        .name("dedupd-sync-watch".into())
+        .spawn(move || {
+            let failure = failure_for_watch;
+            watch_syncs(
+                &stall_for_watch,
+                &stop,
+                PROBE_AFTER,
+                || {
+                    // Once failed, sled is left alone (it may block a call).
+                    if failure.get().is_none() {
+                        if let Err(error) = db_for_watch.insert(PROBE_KEY, &[][..]) {
+                            failure.write_failed(error);
+                        }
+                    }
+                },
+                |stall| {
+                    failure.fail(stall.reason());
+                },
+            );
+        })?;
+    Ok(Committer {
+        queue,
+        thread,
+        _sync_watch: sync_watch,
+    })
 }
+
+/// The key the sync watch's probe writes (never read).
+const PROBE_KEY: &[u8] = b"meta/probe";
 
 /// The longest a group commit waits for more callers before it syncs.
 const MAX_GATHER: Duration = Duration::from_millis(1);

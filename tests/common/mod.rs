@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+pub mod faultshim;
 pub mod forwarder;
 pub mod postgres;
 pub mod redis;

@@ -19,6 +19,8 @@ pub struct Sidecar {
     pub child: Child,
     pub addr: SocketAddr,
     log: Arc<Mutex<Vec<String>>>,
+    /// Set once the child's stderr reached its end (the process is gone).
+    log_ended: Arc<std::sync::atomic::AtomicBool>,
     pub ready_dir: tempfile::TempDir,
     /// What the ready file said (its addresses).
     pub ready: Value,
@@ -71,11 +73,13 @@ impl Sidecar {
             .expect("spawn dedupd");
         let stderr = child.stderr.take().expect("stderr");
         let log = Arc::new(Mutex::new(Vec::new()));
-        let lines = Arc::clone(&log);
+        let log_ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (lines, ended) = (Arc::clone(&log), Arc::clone(&log_ended));
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                 lines.lock().unwrap().push(line);
             }
+            ended.store(true, std::sync::atomic::Ordering::SeqCst);
         });
         let ready = wait_for_ready_file(&mut child, &ready_file, &log);
         let addr = ready["grpc"][0]
@@ -86,6 +90,7 @@ impl Sidecar {
             child,
             addr,
             log,
+            log_ended,
             ready_dir,
             ready,
         }
@@ -102,8 +107,21 @@ impl Sidecar {
         self.child.wait().expect("reap");
     }
 
+    /// What the process logged so far.
     pub fn log_text(&self) -> String {
         self.log.lock().unwrap().join("\n")
+    }
+
+    /// Everything the process logged, once it has exited: waits (bounded)
+    /// until its stderr is read to the end, so the last lines are there.
+    pub fn log_after_exit(&self) -> String {
+        let started = Instant::now();
+        while !self.log_ended.load(std::sync::atomic::Ordering::SeqCst)
+            && started.elapsed() < Duration::from_secs(5)
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.log_text()
     }
 }
 
@@ -144,9 +162,10 @@ pub fn open_descriptors(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
 }
 
-/// Sends SIGTERM and waits (bounded by 15 s) for the exit; returns the exit
-/// code and the log.
-pub fn terminate(sidecar: &mut Sidecar) -> (Option<i32>, String) {
+/// Sends SIGTERM and waits for the exit, which must come `within` (the
+/// grace period plus the final sync's time, plus slack); returns the exit
+/// code and the whole log.
+pub fn terminate(sidecar: &mut Sidecar, within: Duration) -> (Option<i32>, String) {
     let pid = sidecar.child.id().to_string();
     assert!(Command::new("kill")
         .args(["-TERM", &pid])
@@ -156,11 +175,11 @@ pub fn terminate(sidecar: &mut Sidecar) -> (Option<i32>, String) {
     let started = Instant::now();
     loop {
         if let Some(status) = sidecar.child.try_wait().unwrap() {
-            return (status.code(), sidecar.log_text());
+            return (status.code(), sidecar.log_after_exit());
         }
         assert!(
-            started.elapsed() < Duration::from_secs(15),
-            "still running 15 s after SIGTERM (grace 3 s): {}",
+            started.elapsed() < within,
+            "still running {within:?} after SIGTERM: {}",
             sidecar.log_text()
         );
         std::thread::sleep(Duration::from_millis(20));

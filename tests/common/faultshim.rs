@@ -1,0 +1,144 @@
+//! A data directory whose disk fails, hangs or slows down on demand: the real
+//! binary run under `tests/fixtures/faultshim.c` (an LD_PRELOAD shim, built
+//! once per test process with the C compiler every Rust toolchain on Linux
+//! links with), which also records every file it saw synced.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+    sync::OnceLock,
+    time::Duration,
+};
+
+use super::sidecar::Sidecar;
+
+/// The shim, built for this test process.
+fn shim() -> &'static Path {
+    static SHIM: OnceLock<PathBuf> = OnceLock::new();
+    SHIM.get_or_init(|| {
+        let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("faultshim-{}.so", std::process::id()));
+        let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/faultshim.c");
+        let built = Command::new("cc")
+            .args(["-shared", "-fPIC", "-O2", "-o"])
+            .arg(&out)
+            .arg(&source)
+            .arg("-ldl")
+            .status()
+            .expect("a C compiler (cc) for the fault shim");
+        assert!(built.success(), "building {}", source.display());
+        out
+    })
+}
+
+/// The faults the shim knows (see tests/fixtures/faultshim.c).
+#[derive(Debug, Clone, Copy)]
+pub enum Fault {
+    /// fsync and friends fail with EIO.
+    FailSync,
+    /// fsync and fdatasync alone fail with EIO (dedupd's sync, not sled's).
+    FailDataSync,
+    /// Writes fail with EROFS.
+    ReadOnly,
+    /// fsync and friends block until the fault is switched off.
+    HangSync,
+    /// Writes block until the fault is switched off.
+    HangWrite,
+    /// Each sync first sleeps 300 ms.
+    SlowSync,
+}
+
+impl Fault {
+    fn trigger(self) -> &'static str {
+        match self {
+            Fault::FailSync => "fault-fsync",
+            Fault::FailDataSync => "fault-fdatasync",
+            Fault::ReadOnly => "fault-erofs",
+            Fault::HangSync => "fault-hang-sync",
+            Fault::HangWrite => "fault-hang-write",
+            Fault::SlowSync => "fault-slow-sync",
+        }
+    }
+}
+
+/// A temporary directory holding `data/` (the sidecar's) and the shim's
+/// trigger files and sync log beside it.
+pub struct FaultyDisk {
+    dir: tempfile::TempDir,
+    trip_pause: Option<Duration>,
+}
+
+impl FaultyDisk {
+    pub fn new() -> FaultyDisk {
+        FaultyDisk {
+            dir: tempfile::tempdir().unwrap(),
+            trip_pause: None,
+        }
+    }
+
+    /// The first call a fault acts on pauses this long once the marker is
+    /// written (see the shim): answers sent before it arrive meanwhile.
+    pub fn pause_at_trip(mut self, pause: Duration) -> FaultyDisk {
+        self.trip_pause = Some(pause);
+        self
+    }
+
+    /// The sidecar's data directory.
+    pub fn data(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    fn sync_log(&self) -> PathBuf {
+        self.dir.path().join("synced.log")
+    }
+
+    /// The binary on `data()` under the shim, with `flags`.
+    pub fn start(&self, flags: &[&str]) -> Sidecar {
+        let preload = format!("LD_PRELOAD={}", shim().display());
+        let fault_path = format!("DEDUPD_FAULT_PATH={}", self.data().display());
+        let sync_log = format!("DEDUPD_SYNC_LOG={}", self.sync_log().display());
+        let pause = format!(
+            "DEDUPD_FAULT_TRIP_PAUSE_MS={}",
+            self.trip_pause.unwrap_or_default().as_millis()
+        );
+        Sidecar::start_under(
+            &["env", &preload, &fault_path, &sync_log, &pause],
+            &self.data(),
+            flags,
+        )
+    }
+
+    /// Switches `fault` on: its next call on a data file acts.
+    pub fn switch_on(&self, fault: Fault) {
+        std::fs::write(self.dir.path().join(fault.trigger()), b"").unwrap();
+    }
+
+    /// Switches `fault` off (a hung call goes on).
+    pub fn switch_off(&self, fault: Fault) {
+        std::fs::remove_file(self.dir.path().join(fault.trigger())).unwrap();
+    }
+
+    /// Whether `fault` has acted at least once (the shim marks it before
+    /// the call returns).
+    pub fn tripped(&self, fault: Fault) -> bool {
+        self.dir
+            .path()
+            .join(format!("{}.tripped", fault.trigger()))
+            .exists()
+    }
+
+    /// The path of the marker [`FaultyDisk::tripped`] looks at, to check
+    /// from another task.
+    pub fn tripped_marker(&self, fault: Fault) -> PathBuf {
+        self.dir.path().join(format!("{}.tripped", fault.trigger()))
+    }
+
+    /// Every data file the shim saw synced successfully so far.
+    pub fn synced_files(&self) -> Vec<PathBuf> {
+        std::fs::read_to_string(self.sync_log())
+            .unwrap_or_default()
+            .lines()
+            .map(PathBuf::from)
+            .collect()
+    }
+}
