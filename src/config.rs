@@ -1,19 +1,20 @@
-//! Command-line and environment configuration: flags in, plain settings
-//! out. Every flag of the server is also a `DEDUPD_*` variable;
-//! [`ServeArgs::validate`] checks the whole configuration, and the relations
-//! between its parts, before anything is opened or bound. It builds no
-//! runtime object and reads no secret: `main` does that with the settings.
+//! The server's flags and environment (`dedupd serve` and `dedupd
+//! http-proxy`, which share them): flags in, plain settings out. Every flag
+//! of the server is also a `DEDUPD_*` variable; [`ServeArgs::validate`]
+//! checks the whole configuration, and the relations between its parts,
+//! before anything is opened or bound. It builds no runtime object and
+//! reads no secret: `main` does that with the settings. The command line as
+//! a whole (every face's flags) is assembled in [`crate::command`].
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, ValueEnum};
 
 use crate::{
     api::{
         check_duration, check_namespace, Limits, HARD_MAX_LEASE_TTL, HARD_MAX_RESPONSE_BYTES,
         HARD_MAX_RETENTION,
     },
-    cli::ClientCommand,
     credentials::{AuthSources, StoreUrlSource, TlsFiles, TokenSource},
     listen::ListenAddr,
     proxy::{idempotency::RoutePattern, server::ProxyConfig},
@@ -25,19 +26,6 @@ use crate::{
         tiered::LocalTierConfig,
     },
 };
-
-/// dedupd: a deduplication sidecar. Without a command it runs the server;
-/// with one it is a client of a running server.
-#[derive(Debug, Parser)]
-#[command(name = "dedupd", version, args_conflicts_with_subcommands = true)]
-pub struct Cli {
-    /// Server settings (when no command is given).
-    #[command(flatten)]
-    pub serve: ServeArgs,
-    /// A client command.
-    #[command(subcommand)]
-    pub command: Option<Command>,
-}
 
 /// A clap error on one line: its message and the lines that complete it
 /// (the missing argument, the possible values), without usage or help hints.
@@ -53,52 +41,6 @@ pub fn one_line_error(error: &clap::Error) -> String {
         .join(" ")
         .trim_start_matches("error: ")
         .to_owned()
-}
-
-/// What to do.
-#[derive(Debug, Subcommand)]
-#[allow(
-    clippy::large_enum_variant,
-    reason = "parsed once at start; boxing would only add an allocation"
-)]
-pub enum Command {
-    /// Run the sidecar (the default when no command is given).
-    Serve(ServeArgs),
-    /// Run the HTTP idempotency proxy in front of a service: requests with
-    /// an Idempotency-Key header run once, retries get the stored response.
-    /// The store flags are the server's; gRPC is off unless --grpc-listen.
-    #[command(
-        mut_arg("listen", |arg| arg
-            .long("grpc-listen")
-            .env("DEDUPD_GRPC_LISTEN")
-            .default_value(None::<&str>)
-            .help("Also serve dedupd's gRPC API here (HOST:PORT and/or unix:///path.sock, comma-separated); off when unset")),
-        mut_arg("max_response_bytes", |arg| arg
-            .long("grpc-max-response-bytes")
-            .help("Largest response a gRPC Commit may cache, in bytes (at most 1048576)")),
-        mut_arg("http_proxy_listen", |arg| arg
-            .long("listen")
-            .value_name("HOST:PORT")
-            .required(true)
-            .help("Serve the proxy here (HOST:PORT; HTTP/1.1 and HTTP/2)")),
-        mut_arg("http_proxy_upstream", |arg| arg.long("upstream").value_name("URL").required(true)),
-        mut_arg("http_proxy_methods", |arg| arg.long("methods")),
-        mut_arg("http_proxy_namespace", |arg| arg.long("namespace")),
-        mut_arg("http_proxy_scope_header", |arg| arg.long("scope-header")),
-        mut_arg("http_proxy_require_key", |arg| arg.long("require-key")),
-        mut_arg("http_proxy_retention", |arg| arg.long("retention")),
-        mut_arg("http_proxy_max_response_bytes", |arg| arg.long("max-response-bytes")),
-        mut_arg("http_proxy_max_request_bytes", |arg| arg.long("max-request-bytes")),
-        mut_arg("http_proxy_upstream_timeout", |arg| arg.long("upstream-timeout")),
-        mut_arg("http_proxy_wait_in_flight", |arg| arg.long("wait-in-flight")),
-    )]
-    HttpProxy(ServeArgs),
-    /// Run the Kubernetes admission webhook that injects dedupd as a
-    /// sidecar into pods labelled dedupd.io/inject=enabled.
-    Inject(crate::inject::InjectArgs),
-    /// A client command against a running sidecar.
-    #[command(flatten)]
-    Client(ClientCommand),
 }
 
 /// `--store`: where records live.

@@ -22,7 +22,10 @@
 //! - `listen`: TCP and Unix-socket listeners ([`ListenAddr`], [`Listener`]).
 //! - `ops`: `/metrics`, `/healthz`, `/readyz` over HTTP (internal).
 //! - `metrics`: the Prometheus metrics ([`Metrics`]).
-//! - [`config`]: flags and `DEDUPD_*` variables → plain settings.
+//! - [`command`]: the command line as a whole, one command per face (each
+//!   face's flags live with it; only `main` parses here).
+//! - [`config`]: the server's flags and `DEDUPD_*` variables → plain
+//!   settings.
 //! - [`credentials`]: tokens and TLS material read from their files.
 //! - [`cli`]: the command-line client.
 //! - [`inject`]: `dedupd inject`, the admission webhook that adds the
@@ -36,6 +39,7 @@
 pub mod api;
 pub mod cli;
 pub mod clock;
+pub mod command;
 pub mod config;
 pub mod credentials;
 pub mod domain;

@@ -9,7 +9,8 @@ use clap::{error::ErrorKind, Parser};
 use dedupd::{
     cli,
     clock::SystemClock,
-    config::{Cli, Command, LogFormat, ServeArgs, Settings, SharedBackend, StoreSettings},
+    command::{Cli, Command},
+    config::{LogFormat, ServeArgs, Settings, SharedBackend, StoreSettings},
     credentials::{read_pem_file, TlsFiles},
     inject::{InjectArgs, InjectMetrics, ReloadingCert},
     store::{

@@ -13,7 +13,8 @@ use std::{ffi::OsString, os::unix::ffi::OsStringExt, time::Duration};
 use clap::Parser;
 use dedupd::{
     api::Limits,
-    config::{one_line_error, Cli, Command},
+    command::{Cli, Command},
+    config::one_line_error,
     domain::{Key, MAX_CORRELATION_ID_BYTES, MAX_NAMESPACE_BYTES},
     proto::v1 as pb,
     proxy::idempotency::StoredResponse,

@@ -15,7 +15,7 @@ use json_patch::{jsonptr::PointerBuf, AddOperation, Patch, PatchOperation};
 use k8s_openapi::api::core::v1::{Container, Pod};
 use serde_json::{json, Value};
 
-use crate::config::{one_line_error, Cli};
+use crate::config::{one_line_error, ServeArgs};
 
 /// The label that selects a pod for injection (the webhook's
 /// `objectSelector` matches it, so no other pod reaches the injector).
@@ -540,8 +540,18 @@ fn check_flags(flags: &[(&str, String)]) -> Result<(), String> {
         args.push(format!("--{flag}"));
         args.push(value.clone());
     }
-    let cli = Cli::try_parse_from(&args).map_err(|error| one_line_error(&error))?;
-    cli.serve.validate().map(drop)
+    let sidecar =
+        SidecarCommandLine::try_parse_from(&args).map_err(|error| one_line_error(&error))?;
+    sidecar.serve.validate().map(drop)
+}
+
+/// The sidecar's command line as the injector writes it: `dedupd` and
+/// server flags only, parsed by the server's own flags.
+#[derive(Debug, Parser)]
+#[command(name = "dedupd")]
+struct SidecarCommandLine {
+    #[command(flatten)]
+    serve: ServeArgs,
 }
 
 /// `SECRET/KEY` (or `SECRET`, key `url`).

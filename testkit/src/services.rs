@@ -75,18 +75,23 @@ const REDIS: Kind = Kind {
 /// `DEDUPD_TEST_POSTGRES_URL` is set and does not answer, or when the
 /// binaries are there and the server they start fails.
 pub fn postgres() -> Option<&'static Service> {
-    static SERVICE: OnceLock<Option<Service>> = OnceLock::new();
-    SERVICE
-        .get_or_init(|| resolve(&POSTGRES, postgres_answers, || start_postgres(&[], &[])))
-        .as_ref()
+    static SERVICE: OnceLock<Result<Option<Service>, String>> = OnceLock::new();
+    found(SERVICE.get_or_init(|| resolve(&POSTGRES, postgres_answers, || start_postgres(&[], &[]))))
 }
 
 /// The Redis for this test process; as [`postgres`].
 pub fn redis() -> Option<&'static Service> {
-    static SERVICE: OnceLock<Option<Service>> = OnceLock::new();
-    SERVICE
-        .get_or_init(|| resolve(&REDIS, redis_answers, || start_redis(&[])))
-        .as_ref()
+    static SERVICE: OnceLock<Result<Option<Service>, String>> = OnceLock::new();
+    found(SERVICE.get_or_init(|| resolve(&REDIS, redis_answers, || start_redis(&[]))))
+}
+
+/// What [`resolve`] found, its error a panic in every test that asks (the
+/// search itself runs once).
+fn found(resolved: &'static Result<Option<Service>, String>) -> Option<&'static Service> {
+    match resolved {
+        Ok(service) => service.as_ref(),
+        Err(error) => panic!("{error}"),
+    }
 }
 
 /// [`postgres`], or a skip saying what to install (the caller returns).
@@ -111,37 +116,39 @@ fn resolve(
     kind: &Kind,
     answers: fn(&str) -> Result<(), String>,
     start: impl FnOnce() -> Result<Option<Throwaway>, String>,
-) -> Option<Service> {
+) -> Result<Option<Service>, String> {
     if let Ok(url) = std::env::var(kind.url_variable) {
         // Given explicitly: it must answer (allowing it a moment to start).
         let started = Instant::now();
         loop {
             match answers(&url) {
                 Ok(()) => {
-                    return Some(Service {
+                    return Ok(Some(Service {
                         port: port_of(&url),
                         url,
                         origin: Origin::Given(kind.url_variable),
                         _server: None,
-                    })
+                    }))
                 }
-                Err(error) if started.elapsed() > Duration::from_secs(10) => panic!(
-                    "{}={} does not answer: {error}",
-                    kind.url_variable,
-                    redact(&url)
-                ),
+                Err(error) if started.elapsed() > Duration::from_secs(10) => {
+                    return Err(format!(
+                        "{}={} does not answer: {error}",
+                        kind.url_variable,
+                        redact(&url)
+                    ))
+                }
                 Err(_) => std::thread::sleep(Duration::from_millis(200)),
             }
         }
     }
     let default = std::env::var(kind.default_variable).unwrap_or_else(|_| kind.default_url.into());
     if answers(&default).is_ok() {
-        return Some(Service {
+        return Ok(Some(Service {
             port: port_of(&default),
             url: default,
             origin: Origin::Machine,
             _server: None,
-        });
+        }));
     }
     match start() {
         Ok(Some(server)) => {
@@ -153,15 +160,18 @@ fn resolve(
                 server.url
             );
             let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
-            Some(Service {
+            Ok(Some(Service {
                 url: server.url.clone(),
                 port: server.port,
                 origin: Origin::Started,
                 _server: Some(server),
-            })
+            }))
         }
-        Ok(None) => None,
-        Err(error) => panic!("starting a {} for the tests failed: {error}", kind.name),
+        Ok(None) => Ok(None),
+        Err(error) => Err(format!(
+            "starting a {} for the tests failed: {error}",
+            kind.name
+        )),
     }
 }
 
