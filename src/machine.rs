@@ -448,18 +448,99 @@ mod tests {
     fn claim_with_other_fingerprint_is_mismatch_in_every_state() {
         let first = ClaimRequest {
             payload_fingerprint: "sha-a".into(),
+            request_id: "delivery-7".into(),
             ..claim_request()
         };
         let held = put(claim_with(None, &first, T0, 1, 10).0);
+        let released = put(release(
+            Some(&held),
+            &ReleaseRequest {
+                key: key(),
+                lease_token: held.lease_token,
+            },
+            T0,
+        )
+        .0);
+        assert_eq!(released.state, RecordState::Released);
         let other = ClaimRequest {
             payload_fingerprint: "sha-b".into(),
             ..claim_request()
         };
-        for existing in [held.clone(), committed_with_fingerprint(&held)] {
-            let (change, outcome) = claim_with(Some(&existing), &other, at(LEASE * 2), 2, 11);
-            assert_eq!(change, Change::Keep);
-            assert!(matches!(outcome, ClaimOutcome::FingerprintMismatch { .. }));
+        // Protocol §2: any live record with another non-empty fingerprint
+        // answers FINGERPRINT_MISMATCH with the record as it is, changes
+        // nothing and spends no fencing token; every state, every row.
+        let cases = [
+            ("claimed, lease live", held.clone(), at(LEASE / 2), &other),
+            (
+                "claimed, lease live, the claim's own request_id",
+                held.clone(),
+                at(LEASE / 2),
+                &ClaimRequest {
+                    request_id: "delivery-7".into(),
+                    ..other.clone()
+                },
+            ),
+            (
+                "claimed, lease expired",
+                held.clone(),
+                at(LEASE * 2),
+                &other,
+            ),
+            (
+                "committed",
+                committed_with_fingerprint(&held),
+                at(LEASE * 2),
+                &other,
+            ),
+            (
+                "released",
+                released.clone(),
+                at(Duration::from_secs(1)),
+                &other,
+            ),
+        ];
+        for state in [
+            RecordState::Claimed,
+            RecordState::Committed,
+            RecordState::Released,
+        ] {
+            assert!(
+                cases
+                    .iter()
+                    .any(|(_, existing, _, _)| existing.state == state),
+                "no case for {state:?}"
+            );
         }
+        for (what, existing, now, request) in cases {
+            assert!(live(Some(&existing), now).is_some(), "{what}: live");
+            let mut fencing_issued = false;
+            let answer = claim(Some(&existing), request, now, LeaseToken(2), None, || {
+                fencing_issued = true;
+                Ok::<_, Infallible>(FencingToken(11))
+            })
+            .unwrap();
+            assert_eq!(
+                answer,
+                (
+                    Change::Keep,
+                    ClaimOutcome::FingerprintMismatch {
+                        record: existing.clone()
+                    }
+                ),
+                "{what}"
+            );
+            assert!(!fencing_issued, "{what}: no fencing token is spent");
+        }
+        // A record past its retention is absent: the other payload claims.
+        let (change, outcome) = claim_with(Some(&released), &other, released.retain_until, 2, 11);
+        assert_eq!(put(change).payload_fingerprint, "sha-b");
+        assert!(matches!(
+            outcome,
+            ClaimOutcome::Claimed {
+                recovered: false,
+                ..
+            }
+        ));
         // An empty fingerprint on either side is not a mismatch.
         let (_, outcome) = claim_with(Some(&held), &claim_request(), at(LEASE), 2, 11);
         assert!(matches!(outcome, ClaimOutcome::Claimed { .. }));

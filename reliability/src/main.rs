@@ -16,7 +16,8 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Record a history of concurrent calls (with SIGKILLs of the sidecar)
-    /// and check it is linearizable.
+    /// and check it is linearizable; INTERNAL, UNKNOWN or CANCELLED away
+    /// from a SIGKILL, or too few COMMITTED or CLAIMED answers, fail it too.
     Lincheck(LincheckArgs),
     /// Hostile clients (idle connections, slowloris, RST_STREAM flood, 10 MB
     /// metadata, a client that never reads) against a well-behaved client's
@@ -134,7 +135,8 @@ struct LincheckArgs {
     #[arg(long)]
     dump: Option<PathBuf>,
     /// CI's bounded run: 8 s and one SIGKILL (overrides --duration and
-    /// --kills); still fails under 10 000 operations.
+    /// --kills); still fails under 10 000 operations, or under the floors
+    /// of COMMITTED and CLAIMED answers per generation.
     #[arg(long)]
     quick: bool,
 }
@@ -362,17 +364,31 @@ async fn lincheck(mut args: LincheckArgs) -> ExitCode {
     };
     let checking = Instant::now();
     let report = checker::check(&run.history);
+    let generations = runner::generations(args.duration.into(), args.generation.into());
+    let errors_outside = run.errors_outside_kill_windows();
     let figures = serde_json::json!({
         "store": format!("{:?}", args.store).to_lowercase(),
         "seed": seed,
         "clients": args.clients,
         "keys": args.keys,
         "duration_s": args.duration.as_secs_f64(),
+        "generations": generations,
         "operations": report.operations,
         "answered": report.answered,
         "unknown": report.operations - report.answered,
+        "committed": run.committed(),
+        "claimed": run.claimed(),
         "kills": run.kills,
         "downtime_ms": run.downtime.as_millis() as u64,
+        "errors_in_kill_windows": run.errors.len() - errors_outside.len(),
+        "errors_outside_kill_windows": errors_outside.len(),
+        "errors_by_code": run.errors.iter().fold(
+            std::collections::BTreeMap::<String, usize>::new(),
+            |mut counts, error| {
+                *counts.entry(format!("{:?}", error.code)).or_default() += 1;
+                counts
+            },
+        ),
         "states_explored": report.states_explored,
         "check_ms": checking.elapsed().as_millis() as u64,
         "violations": report.violations.iter().filter(|v| !v.undecided).count(),
@@ -380,18 +396,30 @@ async fn lincheck(mut args: LincheckArgs) -> ExitCode {
         "answers": history::answer_counts(&run.history),
     });
     println!("{figures}");
-    if report.violations.is_empty()
-        && report.operations >= MIN_OPERATIONS
-        && run.kills == args.kills
-    {
-        ExitCode::SUCCESS
-    } else if report.violations.is_empty() {
+    let mut failed = false;
+    // INTERNAL, UNKNOWN or CANCELLED away from a SIGKILL: the sidecar failed.
+    for error in errors_outside.iter().take(20) {
+        eprintln!("dedupd-reliability: an error outside the kill windows: {error}");
+        failed = true;
+    }
+    if errors_outside.len() > 20 {
+        eprintln!(
+            "dedupd-reliability: … and {} more errors outside the kill windows",
+            errors_outside.len() - 20
+        );
+    }
+    if report.operations < MIN_OPERATIONS || run.kills != args.kills {
         eprintln!(
             "dedupd-reliability: too small a history: {} operations (at least {MIN_OPERATIONS}), {} of {} kills",
             report.operations, run.kills, args.kills
         );
-        ExitCode::FAILURE
-    } else {
+        failed = true;
+    }
+    if let Some(reason) = run.below_floor(generations) {
+        eprintln!("dedupd-reliability: {reason}");
+        failed = true;
+    }
+    if !report.violations.is_empty() {
         for violation in &report.violations {
             eprintln!("not linearizable: {violation:?}");
         }
@@ -409,7 +437,12 @@ async fn lincheck(mut args: LincheckArgs) -> ExitCode {
                 eprintln!("dedupd-reliability: {}: {error}", path.display());
             }
         }
+        failed = true;
+    }
+    if failed {
         ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
     }
 }
 

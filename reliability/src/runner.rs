@@ -2,6 +2,13 @@
 //! few keys (so they contend), short leases (so they run out mid-run and
 //! get taken over), stale tokens (so refusals are exercised), and the
 //! sidecar killed with SIGKILL and restarted on the same store mid-run.
+//!
+//! A call that fails with UNAVAILABLE or DEADLINE_EXCEEDED is an unknown
+//! outcome (a shared store may be briefly away). INTERNAL, UNKNOWN and
+//! CANCELLED are unknown outcomes too, but also [`CallError`]s: near a
+//! SIGKILL (a call overlapping one of [`Run::kill_windows`]) they are what
+//! a dying connection gives; anywhere else they are the sidecar failing,
+//! and [`Run::errors_outside_kill_windows`] names them so the run fails.
 
 use std::{
     path::PathBuf,
@@ -16,6 +23,42 @@ use tokio::process::{Child, Command};
 use tonic::{transport::Channel, Code};
 
 use crate::history::{Answer, Call, Operation, Released, State, Token};
+
+/// A call answered INTERNAL, UNKNOWN or CANCELLED (recorded in the history
+/// as an unknown outcome).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallError {
+    /// Which client made it.
+    pub client: usize,
+    /// Which key.
+    pub key: u32,
+    /// What was asked.
+    pub call: Call,
+    /// When it was sent (floor, wall-clock ms).
+    pub invoked_ms: u64,
+    /// When the error came (ceil, wall-clock ms).
+    pub completed_ms: u64,
+    /// The status code.
+    pub code: Code,
+    /// The status message.
+    pub message: String,
+}
+
+impl std::fmt::Display for CallError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:?} on key {} (client {}, {}..{} ms): {:?}: {}",
+            self.call,
+            self.key,
+            self.client,
+            self.invoked_ms,
+            self.completed_ms,
+            self.code,
+            self.message
+        )
+    }
+}
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -52,6 +95,81 @@ pub struct Run {
     pub kills: usize,
     /// How long the sidecar was down in all.
     pub downtime: Duration,
+    /// Around each SIGKILL, [from, to] in wall-clock ms: from just before
+    /// the kill until [`KILL_SETTLE`] after the restarted sidecar was ready.
+    pub kill_windows: Vec<(u64, u64)>,
+    /// Every INTERNAL, UNKNOWN or CANCELLED answer, in or out of a window.
+    pub errors: Vec<CallError>,
+}
+
+impl Run {
+    /// COMMITTED answers (not ALREADY_COMMITTED).
+    pub fn committed(&self) -> usize {
+        self.count(|answer| matches!(answer, Answer::Committed { already: false }))
+    }
+
+    /// CLAIMED answers, takeovers (`recovered`) included.
+    pub fn claimed(&self) -> usize {
+        self.count(|answer| matches!(answer, Answer::Claimed { .. }))
+    }
+
+    fn count(&self, which: impl Fn(&Answer) -> bool) -> usize {
+        self.history.iter().filter(|op| which(&op.answer)).count()
+    }
+
+    /// Why the run is too thin to show anything, if it is: fewer COMMITTED
+    /// or CLAIMED answers than the floors for `generations` key generations.
+    pub fn below_floor(&self, generations: u64) -> Option<String> {
+        let min_committed = (generations as f64 * MIN_COMMITTED_PER_GENERATION).ceil() as usize;
+        let min_claimed = (generations as f64 * MIN_CLAIMED_PER_GENERATION).ceil() as usize;
+        let (committed, claimed) = (self.committed(), self.claimed());
+        (committed < min_committed || claimed < min_claimed).then(|| {
+            format!(
+                "too few answered calls for {generations} key generations: {committed} COMMITTED (at least {min_committed}), {claimed} CLAIMED (at least {min_claimed})"
+            )
+        })
+    }
+
+    /// The errors of calls that overlap no kill window: a healthy sidecar
+    /// has none, and each one fails the run.
+    pub fn errors_outside_kill_windows(&self) -> Vec<&CallError> {
+        self.errors
+            .iter()
+            .filter(|error| {
+                !self
+                    .kill_windows
+                    .iter()
+                    .any(|&(from, to)| error.invoked_ms <= to && error.completed_ms >= from)
+            })
+            .collect()
+    }
+}
+
+/// The fewest CLAIMED answers a run must have per key generation, on
+/// average. Each generation brings 4 fresh keys, whose first Claim a
+/// healthy sidecar grants: measured in `--quick` runs (debug build, one
+/// SIGKILL, this 2-core machine, often with other builds running) 3.5–4.9
+/// per generation at `--generation 30ms` on sled, PostgreSQL and Redis, and
+/// 6.6–8.4 at 500 ms. 1 leaves a margin of 3.5× even on a starved machine,
+/// while a sidecar that claims (almost) nothing fails.
+pub const MIN_CLAIMED_PER_GENERATION: f64 = 1.0;
+/// The fewest COMMITTED answers a run must have per key generation, on
+/// average: 1 per 20. At 30 ms a generation lasts about two calls of each
+/// client, so most holders never come back to their key before it is
+/// retired, and commits fall faster than calls when the machine is slow:
+/// measured 0.1–1.2 per generation (28–319 in 267 generations; at least
+/// 0.5 in every run that reached 10 000 operations), and 3–4 at 500 ms. A
+/// twentieth is 2× below the most starved run seen (4 494 operations, which
+/// fails the run anyway) and 10× below any run of 10 000, while a sidecar
+/// whose commits all fail (INTERNAL, or UNAVAILABLE all along) has none.
+pub const MIN_COMMITTED_PER_GENERATION: f64 = 0.05;
+
+/// How many key generations a run of `duration` goes through.
+pub fn generations(duration: Duration, generation: Duration) -> u64 {
+    duration
+        .as_millis()
+        .div_ceil(generation.as_millis().max(1))
+        .max(1) as u64
 }
 
 /// No answer within this is an unknown outcome.
@@ -61,6 +179,9 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 const SERVER_REQUEST_TIMEOUT_MS: u64 = 10_000;
 /// Records are kept far longer than the run: retention never ends one.
 const RETENTION: &str = "1h";
+/// How long after a restarted sidecar is ready a kill window lasts: each
+/// client's first call on its dead connection may still fail then.
+pub const KILL_SETTLE: Duration = Duration::from_secs(1);
 
 fn now_floor_ms() -> u64 {
     let since = SystemTime::now()
@@ -124,11 +245,12 @@ pub async fn run(config: RunConfig) -> Result<Run, String> {
     };
     let mut sidecar = start(&config, port).await?;
     let history = Arc::new(Mutex::new(Vec::new()));
+    let errors = Arc::new(Mutex::new(Vec::new()));
     let started = Instant::now();
     let deadline = started + config.duration;
     let mut clients = tokio::task::JoinSet::new();
     for client in 0..config.clients {
-        let (history, config) = (Arc::clone(&history), config.clone());
+        let (history, errors, config) = (Arc::clone(&history), Arc::clone(&errors), config.clone());
         clients.spawn(async move {
             let channel = Channel::from_shared(format!("http://127.0.0.1:{port}"))
                 .expect("a valid URI")
@@ -143,9 +265,12 @@ pub async fn run(config: RunConfig) -> Result<Run, String> {
                 config,
             };
             while Instant::now() < deadline {
-                let operation = worker.step(started).await?;
+                let (operation, error) = worker.step(started).await?;
                 let failed = operation.answer == Answer::Unknown;
                 history.lock().expect("history lock").push(operation);
+                if let Some(error) = error {
+                    errors.lock().expect("errors lock").push(error);
+                }
                 if failed {
                     tokio::time::sleep(Duration::from_millis(20)).await; // the sidecar is away
                 }
@@ -155,12 +280,14 @@ pub async fn run(config: RunConfig) -> Result<Run, String> {
     }
     let mut kills = 0;
     let mut downtime = Duration::ZERO;
+    let mut kill_windows = Vec::new();
     for kill in 1..=config.kills {
         let at = started
             + config
                 .duration
                 .mul_f64(kill as f64 / (config.kills + 1) as f64);
         tokio::time::sleep_until(at.into()).await;
+        let window_from = now_floor_ms();
         sidecar
             .child
             .start_kill()
@@ -169,6 +296,7 @@ pub async fn run(config: RunConfig) -> Result<Run, String> {
         let down = Instant::now();
         sidecar = start(&config, port).await?;
         downtime += down.elapsed();
+        kill_windows.push((window_from, now_ceil_ms() + KILL_SETTLE.as_millis() as u64));
         kills += 1;
     }
     while let Some(result) = clients.join_next().await {
@@ -176,10 +304,13 @@ pub async fn run(config: RunConfig) -> Result<Run, String> {
     }
     drop(sidecar);
     let history = std::mem::take(&mut *history.lock().expect("history lock"));
+    let errors = std::mem::take(&mut *errors.lock().expect("errors lock"));
     Ok(Run {
         history,
         kills,
         downtime,
+        kill_windows,
+        errors,
     })
 }
 
@@ -221,8 +352,9 @@ fn token_of(text: &str) -> Result<Token, String> {
 }
 
 impl Client {
-    /// One random call, recorded.
-    async fn step(&mut self, started: Instant) -> Result<Operation, String> {
+    /// One random call, recorded; with it, the error it got if that was
+    /// INTERNAL, UNKNOWN or CANCELLED.
+    async fn step(&mut self, started: Instant) -> Result<(Operation, Option<CallError>), String> {
         let generation =
             (started.elapsed().as_millis() / self.config.generation.as_millis().max(1)) as u32;
         let key = generation * self.config.keys + self.rng.random_range(0..self.config.keys);
@@ -259,11 +391,24 @@ impl Client {
         let invoked_ms = now_floor_ms();
         let answer = self.send(key, &call).await?;
         let completed_ms = now_ceil_ms();
+        let mut error = None;
         let answer = match answer {
             Ok(answer) => answer,
             Err(status) => match status.code() {
                 Code::FailedPrecondition => Answer::LeaseLost,
-                Code::Unavailable | Code::Unknown | Code::Cancelled | Code::Internal => {
+                Code::Unavailable => Answer::Unknown,
+                // Unknown in the history; the run judges them by when they
+                // came (Run::errors_outside_kill_windows).
+                code @ (Code::Unknown | Code::Cancelled | Code::Internal) => {
+                    error = Some(CallError {
+                        client: self.id,
+                        key,
+                        call: call.clone(),
+                        invoked_ms,
+                        completed_ms,
+                        code,
+                        message: status.message().to_owned(),
+                    });
                     Answer::Unknown
                 }
                 Code::DeadlineExceeded => {
@@ -275,7 +420,7 @@ impl Client {
                         completed_ms: completed_ms + SERVER_REQUEST_TIMEOUT_MS,
                         answer: Answer::Unknown,
                     };
-                    return Ok(operation);
+                    return Ok((operation, None));
                 }
                 other => {
                     return Err(format!(
@@ -300,14 +445,15 @@ impl Client {
             }
             _ => {}
         }
-        Ok(Operation {
+        let operation = Operation {
             client: self.id,
             key,
             call,
             invoked_ms,
             completed_ms,
             answer,
-        })
+        };
+        Ok((operation, error))
     }
 
     /// The answer; Err(status) when the call failed; a protocol surprise

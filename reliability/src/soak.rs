@@ -26,6 +26,10 @@ use crate::sidecar::{directory_bytes, Sidecar};
 
 /// Most records past their retention looked up at the end.
 const MAX_EXPIRED_CHECKS: usize = 20_000;
+/// A record this far past its retention is sampled for the check that it
+/// is gone; a load that outlasts the retention by more has such records,
+/// and a run that checked none of them fails.
+const EXPIRED_MARGIN: Duration = Duration::from_secs(2);
 
 /// What a soak does.
 #[derive(Debug, Clone)]
@@ -92,9 +96,11 @@ pub struct Soak {
     pub samples: Vec<Sample>,
     /// Commits acknowledged over the run.
     pub committed: usize,
-    /// Of those, the ones checked after the restart to still be there.
+    /// Of those, the ones checked after the restart to still be there (none
+    /// fails the run).
     pub checked_present: usize,
-    /// And the ones checked to be gone (past their retention; a sample).
+    /// And the ones checked to be gone (past their retention; a sample;
+    /// none fails a run whose load outlasted the retention).
     pub checked_expired: usize,
     /// What is wrong, if anything (empty: passed).
     pub failures: Vec<String>,
@@ -287,8 +293,10 @@ pub async fn run(binary: &Path, data_dir: &Path, config: &SoakConfig) -> Result<
     let mut failures = judge(&samples, config);
 
     // Nothing acknowledged lost, even by a SIGKILL: restart and check.
+    let killed = Instant::now();
     sidecar.kill_9().await;
     let restarted = Sidecar::start(binary, data_dir, &flags).await?;
+    let restart_took = killed.elapsed();
     let mut client = ClaimAndCommitClient::connect(format!("http://{}", restarted.grpc))
         .await
         .map_err(|e| format!("cannot connect after the restart: {e}"))?;
@@ -303,13 +311,13 @@ pub async fn run(binary: &Path, data_dir: &Path, config: &SoakConfig) -> Result<
     // it, an even sample of at most 20 000.
     let past = committed
         .iter()
-        .filter(|(_, at)| at.elapsed() > config.retention + Duration::from_secs(2))
+        .filter(|(_, at)| at.elapsed() > config.retention + EXPIRED_MARGIN)
         .count();
     let stride = past.div_ceil(MAX_EXPIRED_CHECKS).max(1);
     let (mut checked_present, mut checked_expired) = (0, 0);
     for (index, (id, at)) in committed.iter().enumerate() {
         let sent_age = at.elapsed();
-        if sent_age > config.retention + Duration::from_secs(2) && index % stride != 0 {
+        if sent_age > config.retention + EXPIRED_MARGIN && index % stride != 0 {
             continue;
         }
         let found = client
@@ -346,6 +354,25 @@ pub async fn run(binary: &Path, data_dir: &Path, config: &SoakConfig) -> Result<
         failures.push("the restarted sidecar did not stop cleanly".into());
     }
     failures.truncate(20);
+    // A check of nothing passes whatever the sidecar did: the run must have
+    // looked up some commit inside its retention after the SIGKILL (none
+    // if, say, the restart took longer than the retention), and, when the
+    // load outlasted the retention, some commit past it.
+    if checked_present == 0 {
+        failures.push(format!(
+            "no commit was checked present after the SIGKILL ({} acknowledged, {restart_took:?} to restart, retention {:?}): nothing shows that acknowledged commits survive it",
+            committed.len(),
+            config.retention
+        ));
+    }
+    if checked_expired == 0 && config.duration > config.retention + EXPIRED_MARGIN {
+        failures.push(format!(
+            "no commit past its retention was checked gone ({} acknowledged over {:?}, retention {:?}): nothing shows that expiry and the reaper work",
+            committed.len(),
+            config.duration,
+            config.retention
+        ));
+    }
     Ok(Soak {
         samples,
         committed: committed.len(),

@@ -7,7 +7,7 @@ use std::{path::PathBuf, time::Duration};
 use dedupd_reliability::{
     checker::{check, check_within},
     history::{Answer, Call, Operation, Released, State},
-    runner::{run, RunConfig},
+    runner::{generations, run, CallError, Run, RunConfig},
 };
 
 fn op(client: usize, call: Call, invoked_ms: u64, completed_ms: u64, answer: Answer) -> Operation {
@@ -367,6 +367,56 @@ fn a_renewal_must_come_from_the_holder() {
     assert!(!linearizable(&history));
 }
 
+/// INTERNAL, UNKNOWN or CANCELLED fail a run unless the call overlaps a
+/// kill window; COMMITTED and CLAIMED answers must reach their floors.
+#[test]
+fn errors_count_outside_the_kill_windows_and_thin_runs_fail() {
+    let error = |invoked_ms, completed_ms| CallError {
+        client: 3,
+        key: 12,
+        call: Call::Commit { token: 7 },
+        invoked_ms,
+        completed_ms,
+        code: tonic::Code::Internal,
+        message: "boom".into(),
+    };
+    let mut run = Run {
+        history: Vec::new(),
+        kills: 1,
+        downtime: Duration::from_millis(100),
+        kill_windows: vec![(1_000, 2_100)],
+        errors: vec![
+            error(900, 1_000),   // ends as the window opens
+            error(1_500, 1_600), // inside
+            error(2_100, 2_200), // starts as it closes
+            error(500, 999),     // before
+            error(2_101, 2_300), // after
+        ],
+    };
+    let outside = run.errors_outside_kill_windows();
+    assert_eq!(outside, [&error(500, 999), &error(2_101, 2_300)]);
+    let named = outside[0].to_string();
+    for part in ["Commit", "key 12", "Internal", "boom"] {
+        assert!(named.contains(part), "{named}");
+    }
+
+    let generations = generations(Duration::from_secs(8), Duration::from_millis(30));
+    assert_eq!(generations, 267);
+    assert!(run.below_floor(generations).is_some());
+    for i in 0..267 {
+        let claim = claimed(i, 1, 1, false, 111);
+        run.history.push(op(0, LEASE, 10, 11, claim));
+    }
+    let thin = run.below_floor(generations).expect("no commits");
+    assert!(thin.contains("0 COMMITTED (at least 14)"), "{thin}");
+    for _ in 0..14 {
+        let commit = Answer::Committed { already: false };
+        run.history
+            .push(op(0, Call::Commit { token: 1 }, 10, 11, commit));
+    }
+    assert_eq!(run.below_floor(generations), None);
+}
+
 fn binary() -> PathBuf {
     std::env::var_os("DEDUPD_BIN").map_or_else(
         || {
@@ -425,5 +475,17 @@ async fn a_real_history_on_sled_with_a_kill_is_linearizable() {
         })
         .count();
     assert!(claims >= 10, "leases ran out and were taken over: {claims}");
+    let errors = run.errors_outside_kill_windows();
+    assert!(
+        errors.is_empty(),
+        "INTERNAL, UNKNOWN or CANCELLED away from the SIGKILL: {}",
+        errors
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ")
+    );
+    let generations = generations(Duration::from_secs(8), Duration::from_millis(500));
+    assert_eq!(run.below_floor(generations), None);
     assert!(report.violations.is_empty(), "{:?}", report.violations);
 }
