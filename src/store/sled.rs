@@ -212,11 +212,38 @@ const STATS_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(30);
 /// The committer thread and the queue of callers waiting for its next sync.
 #[derive(Debug)]
 struct Committer {
-    queue: mpsc::Sender<Waiter>,
-    thread: thread::JoinHandle<()>,
-    /// Dropped with the committer: the sync watch ends (never joined, since
-    /// a probe on a wedged disk may never return).
-    _sync_watch: mpsc::Sender<()>,
+    queue: Option<mpsc::Sender<Waiter>>,
+    thread: Option<thread::JoinHandle<()>>,
+    /// Dropped to end the sync watch.
+    watch_stop: Option<mpsc::Sender<()>>,
+    watch: Option<thread::JoinHandle<()>>,
+    failure: Arc<Failure>,
+}
+
+impl Committer {
+    /// Lets the committer answer what is queued and end, ends the sync
+    /// watch, and waits for both — both hold the database open, and a store
+    /// reopened in this process must find it closed. Not once the store has
+    /// failed: either may then be stuck in sled for good.
+    fn shut_down(&mut self) {
+        drop(self.queue.take());
+        drop(self.watch_stop.take());
+        if self.failure.get().is_some() {
+            return;
+        }
+        for thread in [self.thread.take(), self.watch.take()]
+            .into_iter()
+            .flatten()
+        {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Committer {
+    fn drop(&mut self) {
+        self.shut_down();
+    }
 }
 
 type Waiter = oneshot::Sender<Result<(), SyncRefusal>>;
@@ -424,6 +451,7 @@ impl Inner {
             };
             let mut stopped_at = None;
             for entry in range {
+                _busy.renew();
                 if report.examined >= limit || report.removed >= budget {
                     break;
                 }
@@ -510,8 +538,9 @@ impl Store for SledStore {
                 }
                 // A write refused (the disk reserve) on an assumption: the
                 // key may exist and the call need no write (a DUPLICATE on
-                // a full disk). Read, and decide on the truth.
-                Err(_) if !verified => {
+                // a full disk). Read, and decide on the truth. Any other
+                // error (a failed store) ends the call: sled is left alone.
+                Err(Error::DiskFull(_)) if !verified => {
                     current_bytes = inner.records.get(&key)?;
                     verified = true;
                 }
@@ -562,8 +591,12 @@ impl Store for SledStore {
     }
 
     async fn durable(&self) -> Result<(), Error> {
-        self.health()?;
         let inner = &self.inner;
+        // The failure alone (one load): stalls are found by the sync watch
+        // and the health checks, off the request path.
+        if let Some(reason) = inner.failure.get() {
+            return Err(Error::Unavailable(reason.clone()));
+        }
         if inner.sync == SyncMode::None
             || inner.counters.started.load(SeqCst) <= inner.counters.durable.load(SeqCst)
         {
@@ -571,8 +604,10 @@ impl Store for SledStore {
         }
         let (waiter, synced) = oneshot::channel();
         let queued = match &*inner.committer.lock().expect("committer lock poisoned") {
-            Some(committer) => committer.queue.send(waiter).is_ok(),
-            None => false,
+            Some(Committer {
+                queue: Some(queue), ..
+            }) => queue.send(waiter).is_ok(),
+            _ => false,
         };
         if !queued {
             return Err(Error::Unavailable("the store is closed".into()));
@@ -622,6 +657,10 @@ impl Store for SledStore {
                 return stats;
             }
         }
+        if self.inner.failure.get().is_some() {
+            // sled is left alone once failed (it may block a call).
+            return StoreStats::default();
+        }
         let inner = Arc::clone(&self.inner);
         let stats = tokio::task::spawn_blocking(move || StoreStats {
             records: Some(inner.records.len() as u64),
@@ -644,15 +683,18 @@ impl Store for SledStore {
         }
         let inner = Arc::clone(&self.inner);
         tokio::task::spawn_blocking(move || {
-            if let Some(Committer { queue, thread, .. }) = committer {
-                drop(queue);
-                let _ = thread.join();
+            if let Some(mut committer) = committer {
+                committer.shut_down();
             }
             inner
                 .failure
                 .get()
                 .map_or(Ok(()), |reason| Err(Error::Unavailable(reason.clone())))?;
-            inner.sync_now()
+            // The sync watch has ended: health (the watchdog) sees this one.
+            inner.stall.sync_starting();
+            let synced = inner.sync_now();
+            inner.stall.sync_done();
+            synced
         })
         .await
         .map_err(|join| Error::Store(format!("final sync task failed: {join}")))?
@@ -669,8 +711,12 @@ fn spawn_committer(
     observer: Option<Arc<dyn StoreObserver>>,
 ) -> Result<Committer, Error> {
     let (queue, waiters) = mpsc::channel::<Waiter>();
-    let (db_for_watch, stall_for_watch, failure_for_watch) =
-        (db.clone(), Arc::clone(&stall), Arc::clone(&failure));
+    let (db_for_watch, stall_for_watch, failure_for_watch, failure_for_shutdown) = (
+        db.clone(),
+        Arc::clone(&stall),
+        Arc::clone(&failure),
+        Arc::clone(&failure),
+    );
     let thread = thread::Builder::new()
         .name("dedupd-committer".into())
         .spawn(move || {
@@ -729,32 +775,29 @@ fn spawn_committer(
                 }
             }
         })?;
-    let (sync_watch, stop) = mpsc::channel();
-    thread::Builder::new()
+    let (watch_stop, stop) = mpsc::channel();
+    let failure_for_probe = Arc::clone(&failure_for_watch);
+    let probe = Arc::new(move || {
+        // Once failed, sled is left alone (it may block a call).
+        if failure_for_probe.get().is_none() {
+            if let Err(error) = db_for_watch.insert(PROBE_KEY, &[][..]) {
+                failure_for_probe.write_failed(error);
+            }
+        }
+    });
+    let watch = thread::Builder::new()
         .name("dedupd-sync-watch".into())
         .spawn(move || {
-            let failure = failure_for_watch;
-            watch_syncs(
-                &stall_for_watch,
-                &stop,
-                PROBE_AFTER,
-                || {
-                    // Once failed, sled is left alone (it may block a call).
-                    if failure.get().is_none() {
-                        if let Err(error) = db_for_watch.insert(PROBE_KEY, &[][..]) {
-                            failure.write_failed(error);
-                        }
-                    }
-                },
-                |stall| {
-                    failure.fail(stall.reason());
-                },
-            );
+            watch_syncs(&stall_for_watch, &stop, PROBE_AFTER, probe, |stall| {
+                failure_for_watch.fail(stall.reason());
+            });
         })?;
     Ok(Committer {
-        queue,
-        thread,
-        _sync_watch: sync_watch,
+        queue: Some(queue),
+        thread: Some(thread),
+        watch_stop: Some(watch_stop),
+        watch: Some(watch),
+        failure: failure_for_shutdown,
     })
 }
 

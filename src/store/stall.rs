@@ -10,19 +10,23 @@
 //! length of each sled call (a stamp in a slot of its own: two stores to a
 //! thread-local atomic, no shared cache line), the committer stamps each
 //! disk sync, and [`StallWatch::stalled`] finds the oldest stamp. It is
-//! read by the health check and by the sync watch thread, neither of which
-//! a stuck sled call can stop; `server::fail_stop_watchdog` ends the
-//! process if the runtime cannot.
+//! read by the health checks and by the sync watch thread (whose probes run
+//! on threads of their own), off the request path and out of reach of a
+//! stuck sled call; `server::fail_stop_watchdog` ends the process if the
+//! runtime cannot. Not watched: the local tier's sled (a cache in front of
+//! a shared store).
 //!
 //! Stamps are process-wide: a thread runs one sled call at a time, whatever
 //! the store (sled calls never nest).
 
 use std::{
     cell::Cell,
+    marker::PhantomData,
     sync::{
-        atomic::{AtomicU64, Ordering::SeqCst},
+        atomic::{AtomicBool, AtomicU64, Ordering::SeqCst},
         mpsc, Arc, Mutex, OnceLock,
     },
+    thread,
     time::{Duration, Instant},
 };
 
@@ -67,10 +71,12 @@ thread_local! {
     static NESTED: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Marks the calling thread busy in sled until dropped.
+/// Marks the calling thread busy in sled until dropped. Not `Send`: the
+/// stamp is the thread's, so the guard must not cross an `.await`.
 #[derive(Debug)]
 pub(super) struct Busy {
     outermost: bool,
+    _thread_bound: PhantomData<*const ()>,
 }
 
 /// Marks the calling thread busy in sled until the guard drops.
@@ -79,7 +85,20 @@ pub(super) fn busy() -> Busy {
     if outermost {
         SLOT.with(|slot| slot.0.store(now_ms(), SeqCst));
     }
-    Busy { outermost }
+    Busy {
+        outermost,
+        _thread_bound: PhantomData,
+    }
+}
+
+impl Busy {
+    /// Starts the clock again: a loop of many short sled calls (the reaper's
+    /// sweep) is judged call by call, not as one long call.
+    pub(super) fn renew(&self) {
+        if self.outermost {
+            SLOT.with(|slot| slot.0.store(now_ms(), SeqCst));
+        }
+    }
 }
 
 impl Drop for Busy {
@@ -181,33 +200,43 @@ pub(super) const PROBE_AFTER: Duration = Duration::from_secs(1);
 /// `pagecache/logger.rs`, unlike its other write paths): the committer would
 /// wait until the stall timeout while every caller of the group hangs. A
 /// write reservation that sees the recorded error notifies those waiters,
-/// so a sync that has run for `probe_after` ([`PROBE_AFTER`]) gets one
-/// `probe` (a tiny
-/// write): on a failed disk it fails and the store fails at once, on a slow
-/// disk it costs a few bytes. One probe per sync; `stalled` is called on
-/// every tick. Ends when `stop`'s sender is dropped.
+/// so while a sync has run for `probe_after` ([`PROBE_AFTER`]) or more,
+/// each tick starts a `probe` (a tiny write) — a disk may take long to
+/// return its error, so one probe could come too early: on a failed disk it
+/// fails and the store fails at once, on a slow disk it costs a few bytes.
+/// A probe runs on a thread of its own, one at a time, so one that sled
+/// blocks never stops the stall checks here; `stalled` is called on every
+/// tick. Ends when `stop`'s sender is dropped.
 pub(super) fn watch_syncs(
     watch: &StallWatch,
     stop: &mpsc::Receiver<()>,
     probe_after: Duration,
-    mut probe: impl FnMut(),
+    probe: Arc<dyn Fn() + Send + Sync>,
     mut stalled: impl FnMut(Stall),
 ) {
-    let mut probed = 0;
+    let probing = Arc::new(AtomicBool::new(false));
     while let Err(mpsc::RecvTimeoutError::Timeout) = stop.recv_timeout(probe_after / 4) {
         if let Some(stall) = watch.stalled() {
             stalled(stall);
         }
-        let Some((started, running)) = watch.running_sync() else {
+        let Some((_, running)) = watch.running_sync() else {
             continue;
         };
-        if running >= probe_after && started != probed {
-            probed = started;
+        if running >= probe_after && !probing.swap(true, SeqCst) {
             tracing::debug!(
                 ?running,
                 "a disk sync is slow: probing the store with a write"
             );
-            probe();
+            let (probe, done) = (Arc::clone(&probe), Arc::clone(&probing));
+            let spawned = thread::Builder::new()
+                .name("dedupd-probe".into())
+                .spawn(move || {
+                    probe();
+                    done.store(false, SeqCst);
+                });
+            if spawned.is_err() {
+                probing.store(false, SeqCst);
+            }
         }
     }
 }
@@ -216,8 +245,12 @@ pub(super) fn watch_syncs(
 mod tests {
     use super::*;
 
+    /// Stamps are process-wide: the tests that hold one for long take turns.
+    static LONG_STAMPS: Mutex<()> = Mutex::new(());
+
     #[test]
     fn a_call_in_flight_past_the_limit_is_a_stall_and_ends_with_its_guard() {
+        let _turn = LONG_STAMPS.lock().unwrap_or_else(|p| p.into_inner());
         let watch = StallWatch::new(Duration::from_millis(50));
         let (started, finished) = (mpsc::channel(), mpsc::channel::<()>());
         let (started_tx, started_rx) = started;
@@ -248,24 +281,31 @@ mod tests {
     }
 
     #[test]
-    fn a_slow_sync_is_probed_once_and_a_stalled_one_reported() {
+    fn a_slow_sync_is_probed_while_it_runs_and_a_stalled_one_reported() {
         let watch = StallWatch::new(Duration::from_millis(100));
-        watch.sync_starting();
         let (stop_tx, stop) = mpsc::channel();
-        let (mut probes, mut stalls) = (0, Vec::new());
+        let probes = Arc::new(AtomicU64::new(0));
+        let mut stalls = Vec::new();
         let ticker = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(400));
             drop(stop_tx);
         });
+        watch.sync_starting();
+        let counted = Arc::clone(&probes);
         watch_syncs(
             &watch,
             &stop,
             Duration::from_millis(40),
-            || probes += 1,
+            Arc::new(move || {
+                counted.fetch_add(1, SeqCst);
+            }),
             |stall| stalls.push(stall),
         );
         ticker.join().unwrap();
-        assert_eq!(probes, 1, "one probe per sync");
+        // Ticks every 10 ms from 40 ms on: several probes, one at a time.
+        std::thread::sleep(Duration::from_millis(50));
+        let probed = probes.load(SeqCst);
+        assert!(probed >= 3, "probed {probed} times during a 400 ms sync");
         assert!(
             !stalls.is_empty() && stalls.iter().all(|stall| matches!(stall, Stall::Sync(_))),
             "{stalls:?}"
@@ -276,5 +316,45 @@ mod tests {
             watch.stalled().filter(|s| matches!(s, Stall::Sync(_))),
             None
         );
+        let (stop_tx, stop) = mpsc::channel::<()>();
+        let quiet = Arc::new(AtomicU64::new(0));
+        let counted = Arc::clone(&quiet);
+        let ticker = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(150));
+            drop(stop_tx);
+        });
+        watch_syncs(
+            &watch,
+            &stop,
+            Duration::from_millis(40),
+            Arc::new(move || {
+                counted.fetch_add(1, SeqCst);
+            }),
+            |stall| panic!("no sync runs, yet {stall:?}"),
+        );
+        ticker.join().unwrap();
+        assert_eq!(quiet.load(SeqCst), 0, "no sync runs: no probe");
+    }
+
+    #[test]
+    fn a_renewed_stamp_starts_the_clock_again() {
+        let _turn = LONG_STAMPS.lock().unwrap_or_else(|p| p.into_inner());
+        let watch = StallWatch::new(Duration::from_millis(500));
+        let (done_tx, done_rx) = mpsc::channel::<()>();
+        let (ready_tx, ready_rx) = mpsc::channel::<()>();
+        let worker = std::thread::spawn(move || {
+            let busy = busy();
+            for _ in 0..8 {
+                std::thread::sleep(Duration::from_millis(100));
+                busy.renew();
+            }
+            ready_tx.send(()).unwrap();
+            done_rx.recv().unwrap();
+        });
+        ready_rx.recv().unwrap();
+        // 800 ms inside one guard, renewed every 100 ms: no stall.
+        assert_eq!(watch.stalled(), None);
+        done_tx.send(()).unwrap();
+        worker.join().unwrap();
     }
 }

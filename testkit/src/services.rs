@@ -369,6 +369,8 @@ set -e
   -c max_connections=300 "$@" >"$DIR/server.log" 2>&1 </dev/null &
 server=$!
 trap 'kill -INT "$server" 2>/dev/null; wait "$server" 2>/dev/null; rm -rf "$DIR"' EXIT
+# dash runs no EXIT trap when a signal ends it (Ctrl-C, timeout's SIGTERM).
+trap 'exit 130' INT TERM HUP
 cat >/dev/null
 "#;
     let url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
@@ -404,6 +406,7 @@ pub fn spawn_redis(args: &[OsString]) -> Result<Option<Throwaway>, String> {
   "$@" >"$DIR/server.log" 2>&1 </dev/null &
 server=$!
 trap 'kill "$server" 2>/dev/null; wait "$server" 2>/dev/null; rm -rf "$DIR"' EXIT
+trap 'exit 130' INT TERM HUP
 cat >/dev/null
 "#;
     let url = format!("redis://127.0.0.1:{port}");
@@ -507,13 +510,14 @@ fn wait_until_answering(
 ) -> Result<Throwaway, String> {
     let started = Instant::now();
     let failure = loop {
+        // An exited wrapper first: a stranger on the port is not ours.
+        if let Ok(Some(status)) = server.wrapper.try_wait() {
+            break format!("it exited ({status})");
+        }
         let last = match answers(&server.url) {
             Ok(()) => return Ok(server),
             Err(error) => error,
         };
-        if let Ok(Some(status)) = server.wrapper.try_wait() {
-            break format!("it exited ({status}): {last}");
-        }
         if started.elapsed() > Duration::from_secs(60) {
             break format!("no answer within 60 s: {last}");
         }

@@ -133,6 +133,19 @@ impl FaultyDisk {
         self.dir.path().join(format!("{}.tripped", fault.trigger()))
     }
 
+    /// [`FaultyDisk::tripped_marker`] and [`FaultyDisk::returned_marker`].
+    pub fn markers(&self, fault: Fault) -> (PathBuf, PathBuf) {
+        (self.tripped_marker(fault), self.returned_marker(fault))
+    }
+
+    /// The marker the shim writes when the first call `fault` acted on
+    /// returns, after its pause (see [`FaultyDisk::pause_at_trip`]).
+    pub fn returned_marker(&self, fault: Fault) -> PathBuf {
+        self.dir
+            .path()
+            .join(format!("{}.returned", fault.trigger()))
+    }
+
     /// Every data file the shim saw synced successfully so far.
     pub fn synced_files(&self) -> Vec<PathBuf> {
         std::fs::read_to_string(self.sync_log())
