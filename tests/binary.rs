@@ -154,14 +154,7 @@ async fn sigterm_drains_syncs_and_exits_zero() {
             })
         })
         .collect();
-    let started = Instant::now();
-    while !disk.tripped(Fault::SlowSync) {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "no sync started"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    disk.until_tripped(Fault::SlowSync).await;
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(
         in_flight.iter().all(|call| !call.is_finished()),

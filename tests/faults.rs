@@ -265,14 +265,7 @@ async fn sigterm_ends_the_process_even_on_a_wedged_store() {
     // A write now waits for a sync that never returns: in flight at SIGTERM.
     let mut stuck = client.clone();
     let in_flight = tokio::spawn(async move { write(&mut stuck, "into-the-wedge").await });
-    let started = Instant::now();
-    while !disk.tripped(Fault::HangSync) {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "no sync ever started"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    disk.until_tripped(Fault::HangSync).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(
         !in_flight.is_finished(),
@@ -326,17 +319,13 @@ async fn a_sync_that_never_returns_fails_the_store_within_the_stall_timeout() {
         "refused before the stall timeout: {:?}",
         started.elapsed()
     );
-    let status = loop {
-        if let Some(status) = sidecar.child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(2 + 1 + 3 + 2 + 2),
-            "a stalled store must stop the process: {}",
-            sidecar.log_text()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let status = until_exit(
+        &mut sidecar,
+        started,
+        Duration::from_secs(2 + 1 + 3 + 2 + 2),
+        "a stalled store must stop the process",
+    )
+    .await;
     assert_eq!(status.code(), Some(1), "{}", sidecar.log_after_exit());
     let log = sidecar.log_after_exit();
     assert!(log.contains("a disk sync has run for"), "says why: {log}");
@@ -364,17 +353,13 @@ async fn a_disk_whose_writes_hang_still_ends_the_process() {
     .await;
     disk.switch_on(Fault::HangWrite);
     let started = Instant::now();
-    let status = loop {
-        if let Some(status) = sidecar.child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(2 + 1 + 1 + 2 + 1 + 3),
-            "a store whose disk hangs must end the process: {}",
-            sidecar.log_text()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let status = until_exit(
+        &mut sidecar,
+        started,
+        Duration::from_secs(2 + 1 + 1 + 2 + 1 + 3),
+        "a store whose disk hangs must end the process",
+    )
+    .await;
     let exited_after = started.elapsed();
     let (acknowledged, after_fault, refusals) = load.stop().await;
     let log = sidecar.log_after_exit();
@@ -587,6 +572,23 @@ async fn write_explained(
     Ok(())
 }
 
+/// Waits until the sidecar's process has exited, at most `bound` after
+/// `started`; panics saying `what` (and the log) if it is still running.
+async fn until_exit(
+    sidecar: &mut Sidecar,
+    started: Instant,
+    bound: Duration,
+    what: &str,
+) -> std::process::ExitStatus {
+    loop {
+        if let Some(status) = sidecar.child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(started.elapsed() < bound, "{what}: {}", sidecar.log_text());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// After a restart, every acknowledged commit must answer DUPLICATE.
 async fn every_commit_survived(sidecar: &Sidecar, acknowledged: &[String]) {
     let mut client = sidecar.client().await;
@@ -686,17 +688,13 @@ async fn a_failing_disk_stops_the_store(fault: Fault, says: &str) {
     .await;
     disk.switch_on(fault);
     let started = Instant::now();
-    let status = loop {
-        if let Some(status) = sidecar.child.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "the store kept serving on a failing disk: {}",
-            sidecar.log_text()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let status = until_exit(
+        &mut sidecar,
+        started,
+        Duration::from_secs(30),
+        "the store kept serving on a failing disk",
+    )
+    .await;
     let (acknowledged, after_fault, refusals) = load.stop().await;
     let log = sidecar.log_after_exit();
     assert_ne!(status.code(), Some(0), "{log}");

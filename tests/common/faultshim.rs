@@ -127,6 +127,18 @@ impl FaultyDisk {
             .exists()
     }
 
+    /// Waits (bounded: 10 s) until `fault` has acted.
+    pub async fn until_tripped(&self, fault: Fault) {
+        let started = std::time::Instant::now();
+        while !self.tripped(fault) {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "{fault:?} never acted: no call reached the disk"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// The path of the marker [`FaultyDisk::tripped`] looks at, to check
     /// from another task.
     pub fn tripped_marker(&self, fault: Fault) -> PathBuf {
