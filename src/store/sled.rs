@@ -199,6 +199,14 @@ impl Failure {
         }
     }
 
+    /// `Err` (UNAVAILABLE, with the reason) once the store has failed.
+    fn check(&self) -> Result<(), Error> {
+        match self.get() {
+            Some(reason) => Err(Error::Unavailable(reason.clone())),
+            None => Ok(()),
+        }
+    }
+
     /// Resolves once the store has failed.
     async fn failed(&self) {
         let mut failed = self.failed.subscribe();
@@ -488,10 +496,7 @@ impl Inner {
     /// block any call for good on a failed disk, reads included, since a
     /// read can split a node), else marked busy for the stall watch.
     fn enter(&self) -> Result<Busy, Error> {
-        match self.failure.get() {
-            Some(reason) => Err(Error::Unavailable(reason.clone())),
-            None => Ok(busy()),
-        }
+        self.failure.check().map(|()| busy())
     }
 
     fn sync_now(&self) -> Result<(), Error> {
@@ -594,9 +599,7 @@ impl Store for SledStore {
         let inner = &self.inner;
         // The failure alone (one load): stalls are found by the sync watch
         // and the health checks, off the request path.
-        if let Some(reason) = inner.failure.get() {
-            return Err(Error::Unavailable(reason.clone()));
-        }
+        inner.failure.check()?;
         if inner.sync == SyncMode::None
             || inner.counters.started.load(SeqCst) <= inner.counters.durable.load(SeqCst)
         {
@@ -640,10 +643,7 @@ impl Store for SledStore {
         if let Some(stall) = inner.stall.stalled() {
             inner.failure.fail(stall.reason());
         }
-        match inner.failure.get() {
-            Some(reason) => Err(Error::Unavailable(reason.clone())),
-            None => Ok(()),
-        }
+        inner.failure.check()
     }
 
     fn writable(&self) -> Result<(), Error> {
@@ -678,18 +678,13 @@ impl Store for SledStore {
         let committer = self.inner.committer.lock().expect("lock").take();
         // A failed store syncs nothing more, and its committer may be stuck
         // in sled for good: do not wait for it.
-        if let Some(reason) = self.inner.failure.get() {
-            return Err(Error::Unavailable(reason.clone()));
-        }
+        self.inner.failure.check()?;
         let inner = Arc::clone(&self.inner);
         tokio::task::spawn_blocking(move || {
             if let Some(mut committer) = committer {
                 committer.shut_down();
             }
-            inner
-                .failure
-                .get()
-                .map_or(Ok(()), |reason| Err(Error::Unavailable(reason.clone())))?;
+            inner.failure.check()?;
             // The sync watch has ended: health (the watchdog) sees this one.
             inner.stall.sync_starting();
             let synced = inner.sync_now();
