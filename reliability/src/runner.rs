@@ -13,7 +13,10 @@
 use std::{
     path::PathBuf,
     process::Stdio,
-    sync::{Arc, Mutex},
+    sync::{
+        atomic::{AtomicUsize, Ordering::SeqCst},
+        Arc, Mutex,
+    },
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
@@ -76,8 +79,12 @@ pub struct RunConfig {
     pub keys: u32,
     /// How long one set of keys is in use.
     pub generation: Duration,
-    /// How long the clients run.
+    /// How long the clients run at least.
     pub duration: Duration,
+    /// They go on past `duration` until the history holds this many
+    /// operations (a slow store or a busy machine), for at most three
+    /// times `duration` in all.
+    pub min_operations: usize,
     /// SIGKILLs of the sidecar, spread over the run.
     pub kills: usize,
     /// Leases are drawn from this range (ms).
@@ -91,6 +98,8 @@ pub struct RunConfig {
 pub struct Run {
     /// Every operation.
     pub history: Vec<Operation>,
+    /// How long the clients ran.
+    pub elapsed: Duration,
     /// SIGKILLs done.
     pub kills: usize,
     /// How long the sidecar was down in all.
@@ -246,11 +255,17 @@ pub async fn run(config: RunConfig) -> Result<Run, String> {
     let mut sidecar = start(&config, port).await?;
     let history = Arc::new(Mutex::new(Vec::new()));
     let errors = Arc::new(Mutex::new(Vec::new()));
+    let recorded = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
-    let deadline = started + config.duration;
+    let (deadline, latest) = (started + config.duration, started + config.duration * 3);
     let mut clients = tokio::task::JoinSet::new();
     for client in 0..config.clients {
-        let (history, errors, config) = (Arc::clone(&history), Arc::clone(&errors), config.clone());
+        let (history, errors, recorded, config) = (
+            Arc::clone(&history),
+            Arc::clone(&errors),
+            Arc::clone(&recorded),
+            config.clone(),
+        );
         clients.spawn(async move {
             let channel = Channel::from_shared(format!("http://127.0.0.1:{port}"))
                 .expect("a valid URI")
@@ -264,10 +279,17 @@ pub async fn run(config: RunConfig) -> Result<Run, String> {
                 held: Vec::new(),
                 config,
             };
-            while Instant::now() < deadline {
+            let min_operations = worker.config.min_operations;
+            loop {
+                let now = Instant::now();
+                let short = recorded.load(SeqCst) < min_operations;
+                if now >= latest || (now >= deadline && !short) {
+                    break;
+                }
                 let (operation, error) = worker.step(started).await?;
                 let failed = operation.answer == Answer::Unknown;
                 history.lock().expect("history lock").push(operation);
+                recorded.fetch_add(1, SeqCst);
                 if let Some(error) = error {
                     errors.lock().expect("errors lock").push(error);
                 }
@@ -302,11 +324,13 @@ pub async fn run(config: RunConfig) -> Result<Run, String> {
     while let Some(result) = clients.join_next().await {
         result.map_err(|e| format!("a client panicked: {e}"))??;
     }
+    let elapsed = started.elapsed();
     drop(sidecar);
     let history = std::mem::take(&mut *history.lock().expect("history lock"));
     let errors = std::mem::take(&mut *errors.lock().expect("errors lock"));
     Ok(Run {
         history,
+        elapsed,
         kills,
         downtime,
         kill_windows,

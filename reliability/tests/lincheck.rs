@@ -382,6 +382,7 @@ fn errors_count_outside_the_kill_windows_and_thin_runs_fail() {
     };
     let mut run = Run {
         history: Vec::new(),
+        elapsed: Duration::from_secs(8),
         kills: 1,
         downtime: Duration::from_millis(100),
         kill_windows: vec![(1_000, 2_100)],
@@ -444,6 +445,7 @@ async fn a_real_history_on_sled_with_a_kill_is_linearizable() {
         keys: 4,
         generation: Duration::from_millis(500),
         duration: Duration::from_secs(8),
+        min_operations: 10_000,
         kills: 1,
         lease_ms: (50, 400),
         seed: rand::random(),
@@ -485,7 +487,7 @@ async fn a_real_history_on_sled_with_a_kill_is_linearizable() {
             .collect::<Vec<_>>()
             .join("; ")
     );
-    let generations = generations(Duration::from_secs(8), Duration::from_millis(500));
+    let generations = generations(run.elapsed, Duration::from_millis(500));
     assert_eq!(run.below_floor(generations), None);
     assert!(report.violations.is_empty(), "{:?}", report.violations);
 }
