@@ -47,6 +47,28 @@ impl fmt::Display for UnixMillis {
 pub trait Clock: Send + Sync + fmt::Debug + 'static {
     /// The current wall-clock time.
     fn now(&self) -> UnixMillis;
+
+    /// `Ok` while [`Clock::now`] can be trusted for a decision; why not
+    /// otherwise (a store's clock not measured recently enough: see
+    /// [`crate::time_policy`]).
+    fn verify(&self) -> Result<(), String> {
+        Ok(())
+    }
+
+    /// How this clock relates to the pod's own, for metrics; `None` for the
+    /// pod's own clock.
+    fn report(&self) -> Option<ClockReport> {
+        None
+    }
+}
+
+/// A clock measured against another's (see [`crate::time_policy`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ClockReport {
+    /// This pod's wall clock minus the measured clock.
+    pub local_offset_seconds: f64,
+    /// How far the measured clock's estimate may be off.
+    pub uncertainty_seconds: f64,
 }
 
 /// The real wall clock.

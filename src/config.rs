@@ -174,6 +174,25 @@ pub struct ServeArgs {
     /// attempt); longer is UNAVAILABLE.
     #[arg(long, env = "DEDUPD_STORE_TIMEOUT", default_value = "5s")]
     pub store_timeout: humantime::Duration,
+    /// Shared stores only: decisions follow the store's clock, measured
+    /// every second; while it is known less precisely than this (the store
+    /// silent, or its round trips too slow), calls are UNAVAILABLE and
+    /// health NOT_SERVING instead of deciding on a wrong clock. A lease or
+    /// retention may end up to twice this early or late.
+    #[arg(long, env = "DEDUPD_MAX_CLOCK_UNCERTAINTY", default_value = "500ms")]
+    pub max_clock_uncertainty: humantime::Duration,
+    /// Redis only: after each write, wait (`WAIT`) until this many replicas
+    /// have it, or answer UNAVAILABLE. What makes a failover lose no
+    /// acknowledged claim or commit; 0 answers once the primary has it.
+    #[arg(long, env = "DEDUPD_STORE_REPLICAS", default_value_t = 0)]
+    pub store_replicas: u32,
+    /// Redis only: serve even though Redis may evict keys (`maxmemory` set
+    /// with a `maxmemory-policy` other than `noeviction`). Every record has a
+    /// time to live, so `volatile-*` and `allkeys-*` policies evict live
+    /// leases and commits under memory pressure, and the event is processed
+    /// again. Without this flag dedupd refuses such a Redis.
+    #[arg(long, env = "DEDUPD_ALLOW_REDIS_EVICTION")]
+    pub allow_redis_eviction: bool,
     /// Shared stores only: MiB of committed records this sidecar keeps in
     /// its local tier (in --data-dir/local-tier) to answer duplicates without
     /// asking the shared store; 0 turns the local tier off.
@@ -456,6 +475,9 @@ pub enum StoreSettings {
         backend: SharedBackend,
         /// This sidecar's local tier, unless turned off.
         local_tier: Option<LocalTierConfig>,
+        /// The bound on the store clock's uncertainty
+        /// ([`crate::time_policy`]).
+        max_clock_uncertainty: Duration,
     },
 }
 
@@ -602,6 +624,18 @@ impl ServeArgs {
                     self.store_timeout.into(),
                     Duration::from_secs(600),
                 )?;
+                let max_clock_uncertainty = check_duration_flag(
+                    "max-clock-uncertainty",
+                    self.max_clock_uncertainty.into(),
+                    Duration::from_secs(10),
+                )?;
+                if self.store == StoreKind::Postgres
+                    && (self.store_replicas > 0 || self.allow_redis_eviction)
+                {
+                    return Err("--store-replicas and --allow-redis-eviction are for --store redis \
+                                (PostgreSQL waits for its standbys itself: synchronous_standby_names)"
+                        .into());
+                }
                 let backend = if self.store == StoreKind::Postgres {
                     SharedBackend::Postgres(PostgresConfig {
                         url: String::new(),
@@ -617,6 +651,8 @@ impl ServeArgs {
                         connections: self.store_pool_size,
                         timeout,
                         ca_pem: None,
+                        replicas: self.store_replicas,
+                        allow_eviction: self.allow_redis_eviction,
                     })
                 };
                 let max_age = check_duration_flag(
@@ -634,6 +670,7 @@ impl ServeArgs {
                     ca_file: self.store_ca_file.clone(),
                     backend,
                     local_tier,
+                    max_clock_uncertainty,
                 })
             }
         }

@@ -71,6 +71,26 @@ impl<S: Store> Engine<S> {
         self.clock.now()
     }
 
+    /// The time a decision is taken at: the clock's, if it can be trusted
+    /// (on a shared store, the store's clock measured recently and closely
+    /// enough: [`crate::time_policy`]); otherwise the call is UNAVAILABLE.
+    fn decision_time(&self) -> Result<UnixMillis, Error> {
+        self.clock.verify().map_err(Error::Unavailable)?;
+        Ok(self.clock.now())
+    }
+
+    /// `Ok` while calls can be answered: the store takes writes and the
+    /// clock can be trusted. Health and readiness follow it.
+    pub fn writable(&self) -> Result<(), Error> {
+        self.store.writable()?;
+        self.clock.verify().map_err(Error::Unavailable)
+    }
+
+    /// The engine's clock.
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
+    }
+
     /// Claim one key.
     pub async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, Error> {
         self.durably(request).await
@@ -132,7 +152,7 @@ impl<S: Store> Engine<S> {
 
     /// Extend a claim's lease; returns the new expiry.
     pub async fn renew(&self, request: &RenewRequest) -> Result<UnixMillis, Error> {
-        let now = self.clock.now();
+        let now = self.decision_time()?;
         let outcome = self
             .store
             .update(&request.key, |current, _| {
@@ -148,7 +168,7 @@ impl<S: Store> Engine<S> {
 
     /// The live record of `key`, if any.
     pub async fn lookup(&self, key: &Key) -> Result<Option<Record>, Error> {
-        let now = self.clock.now();
+        let now = self.decision_time()?;
         let record = self.store.get(key).await?;
         // What we read may be someone's not yet durable write.
         self.store.durable().await?;
@@ -157,7 +177,7 @@ impl<S: Store> Engine<S> {
 
     /// Delete `key`; true if a live record existed.
     pub async fn forget(&self, key: &Key) -> Result<bool, Error> {
-        let now = self.clock.now();
+        let now = self.decision_time()?;
         let existed = self
             .store
             .update(key, |current, _| Ok(machine::forget(current, now)))
@@ -167,7 +187,7 @@ impl<S: Store> Engine<S> {
     }
 
     async fn claim_unsynced(&self, request: &ClaimRequest) -> Result<ClaimOutcome, Error> {
-        let now = self.clock.now();
+        let now = self.decision_time()?;
         let highest_committed_sequence = match &request.ordering {
             Some(position) => {
                 let scope = OrderingScope {
@@ -205,7 +225,7 @@ impl<S: Store> Engine<S> {
         &self,
         request: &CommitRequest,
     ) -> Result<Result<CommitOutcome, LeaseLost>, Error> {
-        let now = self.clock.now();
+        let now = self.decision_time()?;
         let outcome = self
             .store
             .update(&request.key, |current, _| {
@@ -230,7 +250,7 @@ impl<S: Store> Engine<S> {
         &self,
         request: &ReleaseRequest,
     ) -> Result<Result<ReleaseOutcome, LeaseLost>, Error> {
-        let now = self.clock.now();
+        let now = self.decision_time()?;
         let outcome = self
             .store
             .update(&request.key, |current, _| {

@@ -5,6 +5,8 @@
 //!
 //! Module map, from the inside out:
 //! - [`clock`]: injectable time.
+//! - [`time_policy`]: on a shared store, the store's clock decides
+//!   ([`time_policy::StoreClock`], measured against the store).
 //! - [`domain`]: keys, tokens, records, validated requests and outcomes.
 //! - [`machine`]: the protocol's state machine, pure functions only.
 //! - [`store`]: the storage contract and its backends ([`store::sled`],
@@ -56,6 +58,7 @@ pub mod proxy;
 pub mod server;
 mod service;
 pub mod store;
+pub mod time_policy;
 
 pub use error::{Error, FieldViolation};
 pub use guard::{GuardConfig, Tokens};

@@ -21,6 +21,7 @@ use dedupd::{
         tiered::{LocalTierConfig, Tiered},
         Store, StoreObserver,
     },
+    time_policy::{StoreClock, TimeSource},
     GuardConfig, Listener, Listeners, Metrics, ServerConfig,
 };
 use tokio::net::TcpListener;
@@ -84,15 +85,20 @@ fn runtime(worker_threads: usize) -> Result<tokio::runtime::Runtime, ExitCode> {
     })
 }
 
-/// Runs on a shared store, with this sidecar's local tier in front unless
-/// it is turned off.
-async fn serve_shared<S: Store + DeletionFeed>(
+/// Runs on a shared store, deciding by the store's clock, with this
+/// sidecar's local tier in front unless it is turned off.
+async fn serve_shared<S: Store + DeletionFeed + TimeSource + Clone>(
     store: S,
     local_tier: Option<&LocalTierConfig>,
     observer: Arc<dyn StoreObserver>,
     settings: &Settings,
-    server: ServerConfig,
+    mut server: ServerConfig,
+    clock: Arc<StoreClock>,
 ) -> ExitCode {
+    let _measuring = AbortOnDrop(tokio::spawn(
+        Arc::clone(&clock).keep_measured(store.clone()),
+    ));
+    server.clock = clock;
     let Some(config) = local_tier else {
         return serve_on(Arc::new(store), settings, server).await;
     };
@@ -191,12 +197,15 @@ fn serve(args: &ServeArgs) -> ExitCode {
             StoreSettings::Shared {
                 backend: SharedBackend::Postgres(config),
                 local_tier,
+                max_clock_uncertainty,
                 ..
             } => match PostgresStore::new(config) {
                 Ok(store) => {
                     tracing::info!(url = %redact_url(&config.url), schema = %config.schema, "shared store: PostgreSQL");
-                    let _upkeep = store.keep_connected();
-                    serve_shared(store, local_tier.as_ref(), observer, &settings, server).await
+                    let _upkeep = AbortOnDrop(store.keep_connected());
+                    let clock = Arc::new(StoreClock::new(*max_clock_uncertainty));
+                    serve_shared(store, local_tier.as_ref(), observer, &settings, server, clock)
+                        .await
                 }
                 Err(error) => {
                     tracing::error!(%error, "cannot set up the PostgreSQL store");
@@ -206,18 +215,35 @@ fn serve(args: &ServeArgs) -> ExitCode {
             StoreSettings::Shared {
                 backend: SharedBackend::Redis(config),
                 local_tier,
+                max_clock_uncertainty,
                 ..
-            } => match RedisStore::new(config, Arc::clone(&server.clock)) {
-                Ok(store) => {
-                    tracing::info!(url = %redact_url(&config.url), prefix = %config.prefix, "shared store: Redis");
-                    let _upkeep = store.keep_connected();
-                    serve_shared(store, local_tier.as_ref(), observer, &settings, server).await
+            } => {
+                let clock = Arc::new(StoreClock::new(*max_clock_uncertainty));
+                match RedisStore::new(config, Arc::clone(&clock) as _) {
+                    Ok(store) => {
+                        tracing::info!(url = %redact_url(&config.url), prefix = %config.prefix, replicas = config.replicas, "shared store: Redis");
+                        // A Redis that may evict records is a configuration
+                        // error: said at once if Redis answers now (later, and
+                        // on every change, by NOT_SERVING).
+                        let first_look = tokio::time::timeout(
+                            config.timeout,
+                            store.eviction_refusal(),
+                        )
+                        .await;
+                        if let Ok(Ok(Some(refusal))) = first_look {
+                            eprintln!("dedupd: invalid configuration: {refusal}");
+                            return ExitCode::from(EXIT_CONFIG);
+                        }
+                        let _upkeep = AbortOnDrop(store.keep_connected());
+                        serve_shared(store, local_tier.as_ref(), observer, &settings, server, clock)
+                            .await
+                    }
+                    Err(error) => {
+                        tracing::error!(%error, "cannot set up the Redis store");
+                        ExitCode::FAILURE
+                    }
                 }
-                Err(error) => {
-                    tracing::error!(%error, "cannot set up the Redis store");
-                    ExitCode::FAILURE
-                }
-            },
+            }
         }
     });
     // A wedged store may hold a blocking thread forever: do not wait for it.
@@ -237,6 +263,7 @@ fn configure(args: &ServeArgs) -> Result<(Settings, StoreSettings, ServerConfig)
             ca_file,
             backend,
             local_tier,
+            max_clock_uncertainty,
         } => StoreSettings::Shared {
             url: url.clone(),
             ca_file: ca_file.clone(),
@@ -248,6 +275,7 @@ fn configure(args: &ServeArgs) -> Result<(Settings, StoreSettings, ServerConfig)
                     .transpose()?,
             ),
             local_tier: local_tier.clone(),
+            max_clock_uncertainty: *max_clock_uncertainty,
         },
     };
     let tokens = settings.auth.load()?;
@@ -360,6 +388,15 @@ fn inject(args: &InjectArgs) -> ExitCode {
             }
         }
     })
+}
+
+/// Aborts a background task when dropped (the serving scope ends).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Resolves on SIGTERM (Kubernetes) or SIGINT (Ctrl-C).

@@ -56,6 +56,8 @@ pub struct Metrics {
     sync_seconds: Histogram,
     live_records: Gauge,
     disk_bytes: Gauge,
+    clock_offset: Gauge<f64, std::sync::atomic::AtomicU64>,
+    clock_uncertainty: Gauge<f64, std::sync::atomic::AtomicU64>,
     reaped: Counter,
     reaper_passes: Counter,
     local_tier: Family<LocalTierLabels, Counter>,
@@ -132,6 +134,18 @@ impl Metrics {
             "Bytes the store uses on disk",
             disk_bytes.clone(),
         );
+        let clock_offset = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "store_clock_offset_seconds",
+            "This pod's wall clock minus the shared store's clock (only the store's decides; shared stores only)",
+            clock_offset.clone(),
+        );
+        let clock_uncertainty = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "store_clock_uncertainty_seconds",
+            "How far the estimate of the shared store's clock may be off (shared stores only)",
+            clock_uncertainty.clone(),
+        );
         let reaped = Counter::default();
         registry.register(
             "reaped_records",
@@ -166,6 +180,8 @@ impl Metrics {
             sync_seconds,
             live_records,
             disk_bytes,
+            clock_offset,
+            clock_uncertainty,
             reaped,
             reaper_passes,
             local_tier,
@@ -235,6 +251,12 @@ impl Metrics {
             self.disk_bytes
                 .set(i64::try_from(bytes).unwrap_or(i64::MAX));
         }
+    }
+
+    /// Sets the store-clock gauges (read at scrape time).
+    pub fn store_clock(&self, report: crate::clock::ClockReport) {
+        self.clock_offset.set(report.local_offset_seconds);
+        self.clock_uncertainty.set(report.uncertainty_seconds);
     }
 
     /// The OpenMetrics text of every metric.

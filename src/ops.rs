@@ -54,6 +54,9 @@ async fn metrics<S: Store>(State(state): State<OpsState<S>>) -> impl IntoRespons
     let stats = state.engine.store().stats().await;
     let metrics = state.engine.metrics();
     metrics.store_size(stats.records, stats.disk_bytes);
+    if let Some(report) = state.engine.clock().report() {
+        metrics.store_clock(report);
+    }
     (
         [(
             header::CONTENT_TYPE,
@@ -75,7 +78,7 @@ async fn readyz<S: Store>(State(state): State<OpsState<S>>) -> impl IntoResponse
         return (StatusCode::SERVICE_UNAVAILABLE, "draining\n".to_owned());
     }
     // Not writable (short of disk space) is not ready; it passes by itself.
-    match state.engine.store().writable() {
+    match state.engine.writable() {
         Ok(()) => (StatusCode::OK, "ready\n".to_owned()),
         Err(error) => (StatusCode::SERVICE_UNAVAILABLE, format!("{error}\n")),
     }

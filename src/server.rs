@@ -541,7 +541,7 @@ async fn watch_health<S: Store>(
             failed.send_replace(Some(error.to_string()));
             return;
         }
-        let writable = engine.store().writable();
+        let writable = engine.writable();
         if writable.is_ok() != serving {
             serving = writable.is_ok();
             match &writable {
@@ -576,6 +576,12 @@ async fn reap<S: Store>(
         // A pass that removed a full batch means more may be waiting: go on,
         // yielding in between.
         loop {
+            // No decision on a clock that cannot be trusted (a shared
+            // store's clock not measured lately): skip the pass.
+            if let Err(reason) = engine.clock().verify() {
+                tracing::debug!(%reason, "reaper pass skipped");
+                break;
+            }
             match engine.store().reap(engine.now(), batch).await {
                 Ok(report) => {
                     engine.metrics().reaper_pass(report.removed);

@@ -325,5 +325,7 @@ fn tls_config() -> dedupd::store::redis::RedisConfig {
         connections: 4,
         timeout: Duration::from_secs(5),
         ca_pem: None,
+        replicas: 0,
+        allow_eviction: false,
     }
 }

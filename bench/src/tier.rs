@@ -52,6 +52,8 @@ async fn compare(args: &TierArgs) -> Result<(), String> {
         connections: 1,
         timeout: std::time::Duration::from_secs(5),
         ca_pem: None,
+        replicas: 0,
+        allow_eviction: false,
     };
     let shared = Arc::new(RedisStore::new(&config, Arc::clone(&clock)).map_err(|e| e.to_string())?);
     shared.ping().await.map_err(|e| e.to_string())?;

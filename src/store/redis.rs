@@ -15,6 +15,15 @@
 //! Redis Cluster slot; this store speaks to one primary (a Cluster client is
 //! not built in).
 //!
+//! What Redis must not do, checked rather than hoped for: evict (every
+//! record has a time to live, so any `maxmemory-policy` but `noeviction`
+//! under a `maxmemory` would drop live leases and commits: refused, at
+//! start and every few seconds after, unless `--allow-redis-eviction`), and
+//! lose an acknowledged write in a failover (`--store-replicas N`: each
+//! write is followed, in the same round trip, by `WAIT N`; fewer replicas
+//! is UNAVAILABLE). Times to live are computed by the engine's clock, which
+//! on a shared store is Redis's own (`TIME`, [`crate::time_policy`]).
+//!
 //! A write sends what the record was believed to be (this sidecar's own
 //! last write, or "absent") and the new record; the script writes only if the
 //! belief holds, and otherwise answers with the record as it is, so a fresh
@@ -22,18 +31,21 @@
 //! inside the script as `max(Redis's clock in µs, the key's last token + 1)`:
 //! they increase per key across sidecars, and also after a record expired,
 //! as long as Redis's clock does not step back by more than a retention.
+//! Two different keys may get equal tokens (claimed in the same
+//! microsecond): a token orders the claims of one key, which is what a
+//! fencing check compares.
 
 use std::{
     fmt,
     sync::{
         atomic::{AtomicUsize, Ordering::Relaxed},
-        Arc,
+        Arc, Mutex,
     },
     time::Duration,
 };
 
 use futures_util::StreamExt;
-use redis::{aio::ConnectionManager, Script};
+use redis::{aio::ConnectionManager, FromRedisValue, Script, ScriptInvocation};
 use tokio::sync::mpsc;
 
 use super::{
@@ -49,7 +61,12 @@ use crate::{
     domain::{FencingToken, Key, OrderingScope, Record},
     error::Error,
     machine::{Change, SequenceMark},
+    time_policy::TimeSource,
 };
+
+/// How often the eviction policy is read again while running (an operator
+/// or a managed service's parameter group can change it under us).
+const EVICTION_CHECK_EVERY: Duration = Duration::from_secs(5);
 
 /// A fencing token no claim is ever given: the machine's first run, before
 /// the script has drawn the real one.
@@ -108,6 +125,10 @@ pub struct RedisConfig {
     /// PEM certificates to trust for a `rediss://` server instead of the
     /// system's roots.
     pub ca_pem: Option<Vec<u8>>,
+    /// Replicas each write must reach (`WAIT`) before it is answered.
+    pub replicas: u32,
+    /// Serve even if Redis may evict keys.
+    pub allow_eviction: bool,
 }
 
 impl fmt::Debug for RedisConfig {
@@ -118,6 +139,8 @@ impl fmt::Debug for RedisConfig {
             .field("connections", &self.connections)
             .field("timeout", &self.timeout)
             .field("private_ca", &self.ca_pem.is_some())
+            .field("replicas", &self.replicas)
+            .field("allow_eviction", &self.allow_eviction)
             .finish()
     }
 }
@@ -178,6 +201,12 @@ enum Write {
     Delete,
 }
 
+/// A call's answer, and whether it took a second attempt.
+struct Attempt<T> {
+    answer: T,
+    retried: bool,
+}
+
 /// What the update script answered.
 enum Swap {
     /// Written; the fencing token the record now has (empty for a delete).
@@ -203,6 +232,21 @@ struct Inner {
     recent: RecentWrites<Stored>,
     update: Script,
     mark: Script,
+    replicas: u32,
+    allow_eviction: bool,
+    /// Whether Redis may evict keys, as last read.
+    eviction: Mutex<Eviction>,
+}
+
+/// What Redis's memory settings allow.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Eviction {
+    /// Not read yet: nothing is written until it is.
+    Unread,
+    /// Redis never evicts (or the operator allowed it).
+    Never,
+    /// Redis may evict: refused, for this reason.
+    Refused(String),
 }
 
 impl fmt::Debug for RedisStore {
@@ -273,6 +317,9 @@ impl RedisStore {
                 recent: RecentWrites::default(),
                 update: Script::new(UPDATE_SCRIPT),
                 mark: Script::new(MARK_SCRIPT),
+                replicas: config.replicas,
+                allow_eviction: config.allow_eviction,
+                eviction: Mutex::new(Eviction::Unread),
             }),
         })
     }
@@ -303,12 +350,31 @@ impl RedisStore {
     where
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
     {
+        Ok(self.call_tracked(connection, make).await?.answer)
+    }
+
+    /// Like [`RedisStore::call_on`], telling whether the call was made a
+    /// second time: then the first may have been carried out too.
+    async fn call_tracked<T, Fut>(
+        &self,
+        connection: ConnectionManager,
+        make: impl Fn(ConnectionManager) -> Fut,
+    ) -> Result<Attempt<T>, Error>
+    where
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
         let attempts = async {
             match make(connection.clone()).await {
                 Err(error) if error.is_unrecoverable_error() || error.is_io_error() => {
-                    make(connection).await
+                    make(connection).await.map(|answer| Attempt {
+                        answer,
+                        retried: true,
+                    })
                 }
-                answered => answered,
+                answered => answered.map(|answer| Attempt {
+                    answer,
+                    retried: false,
+                }),
             }
         };
         let result = match tokio::time::timeout(self.inner.timeout, attempts).await {
@@ -363,7 +429,7 @@ impl RedisStore {
         redis_key: &str,
         believed: Option<&Stored>,
         write: &Write,
-    ) -> Result<Swap, Error> {
+    ) -> Result<Attempt<Swap>, Error> {
         let mut invocation = self.inner.update.key(redis_key);
         match believed {
             Some(stored) => invocation.arg(&stored.bytes[..]).arg(&stored.token),
@@ -388,31 +454,165 @@ impl RedisStore {
                     .arg(deletion_message(key));
             }
         }
-        let invocation = &invocation;
-        let (done, bytes, token): (i64, Vec<u8>, String) = self
-            .call(|mut connection| async move { invocation.invoke_async(&mut connection).await })
+        let attempt = self
+            .write_script::<(i64, Vec<u8>, String)>(&invocation)
             .await?;
-        if done == 1 {
+        let (done, bytes, token) = attempt.answer;
+        let answer = if done == 1 {
             // `bytes` is empty here; the second field is the token.
-            Ok(Swap::Done(String::from_utf8(bytes).map_err(|_| {
-                Error::Corrupt("fencing token is not text".into())
-            })?))
+            Swap::Done(
+                String::from_utf8(bytes)
+                    .map_err(|_| Error::Corrupt("fencing token is not text".into()))?,
+            )
         } else {
-            Ok(Swap::Conflict(Stored::decode(bytes, token)?.map(Box::new)))
+            Swap::Conflict(Stored::decode(bytes, token)?.map(Box::new))
+        };
+        Ok(Attempt {
+            answer,
+            retried: attempt.retried,
+        })
+    }
+
+    /// Runs a write script. With `--store-replicas N`, `WAIT N` follows in
+    /// the same round trip (one pipeline on one connection, so the WAIT
+    /// covers this write), and fewer replicas than N is UNAVAILABLE: the
+    /// write may stand, but it is not acknowledged.
+    async fn write_script<T: FromRedisValue>(
+        &self,
+        invocation: &ScriptInvocation<'_>,
+    ) -> Result<Attempt<T>, Error> {
+        let replicas = self.inner.replicas;
+        if replicas == 0 {
+            return self
+                .call_tracked(self.connection(), |mut connection| async move {
+                    invocation.invoke_async(&mut connection).await
+                })
+                .await;
+        }
+        let wait_ms = u64::try_from((self.inner.timeout / 2).as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        let attempt = self
+            .call_tracked(self.connection(), |mut connection| async move {
+                let mut pipe = redis::pipe();
+                pipe.invoke_script(invocation)
+                    .cmd("WAIT")
+                    .arg(replicas)
+                    .arg(wait_ms);
+                match pipe.query_async::<(T, u32)>(&mut connection).await {
+                    // EVALSHA of a script this server has not seen (a
+                    // restarted or promoted one): load it, once.
+                    Err(error)
+                        if error.kind()
+                            == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+                    {
+                        invocation.load_async(&mut connection).await?;
+                        pipe.query_async(&mut connection).await
+                    }
+                    answered => answered,
+                }
+            })
+            .await?;
+        let (answer, acknowledged) = attempt.answer;
+        if acknowledged < replicas {
+            return Err(Error::Unavailable(format!(
+                "a write reached {acknowledged} of {replicas} replicas within {wait_ms} ms (--store-replicas)"
+            )));
+        }
+        Ok(Attempt {
+            answer,
+            retried: attempt.retried,
+        })
+    }
+
+    /// Why Redis must not be used, if it may evict keys (and the operator
+    /// did not allow it): `Ok(None)` when it may not. Reads `INFO memory`,
+    /// which managed services answer even where `CONFIG` is disabled.
+    pub async fn eviction_refusal(&self) -> Result<Option<String>, Error> {
+        let info: String = self
+            .call(|mut connection| async move {
+                redis::cmd("INFO")
+                    .arg("memory")
+                    .query_async(&mut connection)
+                    .await
+            })
+            .await?;
+        let field = |name: &str| {
+            info.lines()
+                .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
+                .map(str::trim)
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let (maxmemory, policy) = (field("maxmemory"), field("maxmemory_policy"));
+        let refusal = if maxmemory == "0" || policy == "noeviction" || self.inner.allow_eviction {
+            None
+        } else {
+            Some(format!(
+                "Redis may evict dedupd's records (maxmemory {maxmemory}, maxmemory-policy {policy}): \
+                 a live lease or commit evicted is an event processed twice; set maxmemory-policy \
+                 noeviction, or accept the risk with --allow-redis-eviction"
+            ))
+        };
+        let now = match &refusal {
+            Some(reason) => Eviction::Refused(reason.clone()),
+            None => Eviction::Never,
+        };
+        let before = std::mem::replace(
+            &mut *self.inner.eviction.lock().expect("eviction lock"),
+            now.clone(),
+        );
+        match (&before, &now) {
+            (Eviction::Refused(_), Eviction::Never) => {
+                tracing::info!("Redis no longer evicts keys: serving again")
+            }
+            (Eviction::Unread | Eviction::Never, Eviction::Refused(reason)) => {
+                tracing::error!(reason = %reason, "Redis refused: NOT_SERVING")
+            }
+            _ => {}
+        }
+        Ok(refusal)
+    }
+
+    /// `Err` while Redis is refused for evicting keys; reads the policy
+    /// first if nobody has yet.
+    async fn not_evicting(&self) -> Result<(), Error> {
+        let known = self.inner.eviction.lock().expect("eviction lock").clone();
+        let refusal = match known {
+            Eviction::Never => None,
+            Eviction::Refused(reason) => Some(reason),
+            Eviction::Unread => self.eviction_refusal().await?,
+        };
+        match refusal {
+            Some(reason) => Err(Error::Unavailable(reason)),
+            None => Ok(()),
         }
     }
 
     /// Keeps health current while nobody calls: pings once a second while
     /// the last call found Redis gone (or none was made yet), so health
-    /// recovers by itself.
+    /// recovers by itself; reads the eviction policy again every
+    /// [`EVICTION_CHECK_EVERY`] and whenever Redis is back.
     pub fn keep_connected(&self) -> tokio::task::JoinHandle<()> {
         let store = self.clone();
         tokio::spawn(async move {
+            let mut checked: Option<tokio::time::Instant> = None;
             loop {
                 if store.inner.reachability.check().is_err() {
                     match store.ping().await {
-                        Ok(()) => tracing::info!("Redis reachable"),
+                        Ok(()) => {
+                            tracing::info!("Redis reachable");
+                            checked = None;
+                        }
                         Err(error) => tracing::debug!(%error, "Redis still unreachable"),
+                    }
+                }
+                if checked.is_none_or(|at| at.elapsed() >= EVICTION_CHECK_EVERY) {
+                    match store.eviction_refusal().await {
+                        Ok(_) => checked = Some(tokio::time::Instant::now()),
+                        Err(error) => {
+                            tracing::debug!(%error, "cannot read Redis's eviction policy")
+                        }
                     }
                 }
                 tokio::time::sleep(HEARTBEAT).await;
@@ -431,6 +631,25 @@ impl RedisStore {
             .await?;
         }
         Ok(())
+    }
+}
+
+/// Whether what the update script found is our own `write`, carried out by
+/// an attempt whose answer was lost:
+/// - a claim (`draw_token`): the bytes hold the lease token this call drew at
+///   random, so equal bytes are ours, retried or not;
+/// - any other write, only if the call was `retried`: other changes are
+///   deterministic, so equal bytes could be another sidecar's identical
+///   write, but after a retry our first attempt may have landed — a Commit
+///   answers COMMITTED (not ALREADY_COMMITTED), a Forget finds the record it
+///   deleted.
+fn is_our_write(write: &Write, found: Option<&Stored>, draw_token: bool, retried: bool) -> bool {
+    match (write, found) {
+        (Write::Put { bytes, token, .. }, Some(found)) if found.bytes == *bytes => {
+            draw_token || (retried && token.is_some_and(|token| token.0.to_string() == found.token))
+        }
+        (Write::Delete, None) => retried,
+        _ => false,
     }
 }
 
@@ -465,6 +684,7 @@ impl Store for RedisStore {
         T: Send,
         F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
     {
+        self.not_evicting().await?;
         let redis_key = self.record_key(key);
         // Start from a belief (our own last write, or "absent" for a key we
         // never wrote); the script checks it and answers with the truth if
@@ -496,64 +716,52 @@ impl Store for RedisStore {
                 verified = true;
                 continue;
             };
-            match self
+            let swapped = self
                 .swap(key, &redis_key, believed.as_ref(), &write)
-                .await?
-            {
-                Swap::Done(token) => {
-                    let (change, answer) = if draw_token {
-                        let drawn = FencingToken(
-                            token
-                                .parse()
-                                .map_err(|_| Error::Corrupt(format!("fencing token {token:?}")))?,
-                        );
-                        apply(record, &mut || Ok(drawn))?
-                    } else {
-                        (change, answer)
-                    };
-                    // The bytes written hold no token, so they are those of
-                    // the record re-run with the drawn one too.
-                    match (change, write) {
-                        (Change::Put(record), Write::Put { bytes, .. }) => {
-                            self.inner.recent.remember(
-                                key,
-                                Stored {
-                                    bytes,
-                                    token: record.fencing_token.0.to_string(),
-                                    record,
-                                },
-                            )
-                        }
-                        _ => self.inner.recent.forget(key),
-                    }
-                    return Ok(answer);
-                }
-                // Our own claim, made by an attempt whose answer was lost:
-                // the bytes hold the lease token this call drew at random.
-                // (Other changes are deterministic, so equal bytes could be
-                // another sidecar's identical write; their retry meets the
-                // truth instead and answers, e.g., ALREADY_COMMITTED.)
-                Swap::Conflict(Some(current))
-                    if draw_token
-                        && matches!(&write, Write::Put { bytes, .. } if current.bytes == *bytes) =>
+                .await?;
+            let token = match swapped.answer {
+                Swap::Done(token) => token,
+                // Our own write, made by an attempt whose answer was lost.
+                Swap::Conflict(current)
+                    if is_our_write(&write, current.as_deref(), draw_token, swapped.retried) =>
                 {
-                    let (change, answer) = apply(record, &mut || Ok(current.record.fencing_token))?;
-                    if let Change::Put(record) = change {
-                        self.inner
-                            .recent
-                            .remember(key, Stored { record, ..*current });
-                    }
-                    return Ok(answer);
+                    current.map(|stored| stored.token).unwrap_or_default()
                 }
                 Swap::Conflict(current) => {
                     believed = current.map(|stored| *stored);
                     verified = true;
+                    continue;
                 }
+            };
+            let (change, answer) = if draw_token {
+                let drawn = FencingToken(
+                    token
+                        .parse()
+                        .map_err(|_| Error::Corrupt(format!("fencing token {token:?}")))?,
+                );
+                apply(record, &mut || Ok(drawn))?
+            } else {
+                (change, answer)
+            };
+            // The bytes written hold no token, so they are those of the
+            // record re-run with the drawn one too.
+            match (change, write) {
+                (Change::Put(record), Write::Put { bytes, .. }) => self.inner.recent.remember(
+                    key,
+                    Stored {
+                        bytes,
+                        token: record.fencing_token.0.to_string(),
+                        record,
+                    },
+                ),
+                _ => self.inner.recent.forget(key),
             }
+            return Ok(answer);
         }
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
+        self.not_evicting().await?;
         Ok(self
             .read(&self.record_key(key))
             .await?
@@ -564,6 +772,7 @@ impl Store for RedisStore {
     where
         F: FnMut(Option<SequenceMark>) -> Option<SequenceMark> + Send,
     {
+        self.not_evicting().await?;
         let redis_key = self.mark_key(scope);
         let read = redis::cmd("GET").arg(&redis_key).clone();
         let mut current: String = self
@@ -585,12 +794,7 @@ impl Store for RedisStore {
                 .arg(&current)
                 .arg(encode_mark(next))
                 .arg(self.ttl_ms(next.retain_until));
-            let invocation = &invocation;
-            let (done, now): (i64, String) = self
-                .call(
-                    |mut connection| async move { invocation.invoke_async(&mut connection).await },
-                )
-                .await?;
+            let (done, now): (i64, String) = self.write_script(&invocation).await?.answer;
             if done == 1 || now == encode_mark(next) {
                 return Ok(());
             }
@@ -599,6 +803,7 @@ impl Store for RedisStore {
     }
 
     async fn get_mark(&self, scope: &OrderingScope) -> Result<Option<SequenceMark>, Error> {
+        self.not_evicting().await?;
         let read = redis::cmd("GET").arg(self.mark_key(scope)).clone();
         let text: Option<String> = self
             .call(|mut connection| {
@@ -627,7 +832,14 @@ impl Store for RedisStore {
     }
 
     fn writable(&self) -> Result<(), Error> {
-        self.inner.reachability.check()
+        self.inner.reachability.check()?;
+        match &*self.inner.eviction.lock().expect("eviction lock") {
+            Eviction::Never => Ok(()),
+            Eviction::Refused(reason) => Err(Error::Unavailable(reason.clone())),
+            Eviction::Unread => Err(Error::Unavailable(
+                "Redis's eviction policy not read yet".into(),
+            )),
+        }
     }
 
     async fn stats(&self) -> StoreStats {
@@ -637,6 +849,17 @@ impl Store for RedisStore {
 
     async fn close(&self) -> Result<(), Error> {
         Ok(())
+    }
+}
+
+impl TimeSource for RedisStore {
+    async fn store_micros(&self) -> Result<u64, Error> {
+        let (seconds, micros): (u64, u64) =
+            self.call(|mut connection| async move {
+                redis::cmd("TIME").query_async(&mut connection).await
+            })
+            .await?;
+        Ok(seconds.saturating_mul(1_000_000).saturating_add(micros))
     }
 }
 

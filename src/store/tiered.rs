@@ -129,7 +129,7 @@ impl<S: Store + DeletionFeed> Tiered<S> {
                     }
                 };
                 backoff = Duration::from_millis(100);
-                tier.enabled.store(true, SeqCst);
+                tier.switch_on();
                 tracing::info!("local tier on: deletion feed connected");
                 tier.rotate_while(async {
                     while let Some(key) = deleted.recv().await {
@@ -387,6 +387,16 @@ impl LocalTier {
         let _ = previous.remove(&key);
     }
 
+    /// Turns the tier on, once the deletion feed is subscribed. The epoch
+    /// moves first: a read of the shared store that began while the tier was
+    /// off may hold a record whose deletion was announced before the
+    /// subscription was in place — a notice this sidecar never gets — so
+    /// what such a read brings back must not be kept.
+    fn switch_on(&self) {
+        self.epoch.fetch_add(1, SeqCst);
+        self.enabled.store(true, SeqCst);
+    }
+
     /// Turns the tier off and forgets everything in it.
     async fn switch_off(self: &Arc<Self>) {
         self.enabled.store(false, SeqCst);
@@ -564,6 +574,153 @@ mod tests {
         assert!(tier.get(&key(1)).is_none());
         tier.learn(&key(1), &committed(10), tier.epoch.load(SeqCst));
         assert!(tier.get(&key(1)).is_some());
+    }
+
+    /// The shared store of [`a_read_begun_before_the_feed_came_back_is_not_kept`]:
+    /// the reference model, with a deletion feed, a gate on `subscribe` and
+    /// a gate on `get` (held after the read, before the answer returns).
+    struct GatedShared {
+        records: crate::store::memory::MemoryStore,
+        feed: std::sync::Mutex<Option<tokio::sync::mpsc::Sender<Key>>>,
+        subscriptions: tokio::sync::Semaphore,
+        answers: tokio::sync::Semaphore,
+        reads: tokio::sync::Semaphore,
+    }
+
+    impl Default for GatedShared {
+        fn default() -> Self {
+            GatedShared {
+                records: crate::store::memory::MemoryStore::new(),
+                feed: std::sync::Mutex::new(None),
+                subscriptions: tokio::sync::Semaphore::new(0),
+                answers: tokio::sync::Semaphore::new(0),
+                reads: tokio::sync::Semaphore::new(0),
+            }
+        }
+    }
+
+    impl DeletionFeed for GatedShared {
+        async fn subscribe(&self) -> Result<tokio::sync::mpsc::Receiver<Key>, Error> {
+            self.subscriptions.acquire().await.unwrap().forget();
+            let (sender, receiver) = tokio::sync::mpsc::channel(16);
+            *self.feed.lock().unwrap() = Some(sender);
+            Ok(receiver)
+        }
+    }
+
+    impl Store for GatedShared {
+        async fn update<T, F>(&self, key: &Key, apply: F) -> Result<T, Error>
+        where
+            T: Send,
+            F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
+        {
+            self.records.update(key, apply).await
+        }
+        async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
+            let read = self.records.get(key).await;
+            self.reads.add_permits(1);
+            self.answers.acquire().await.unwrap().forget();
+            read
+        }
+        async fn update_mark<F>(&self, scope: &OrderingScope, apply: F) -> Result<(), Error>
+        where
+            F: FnMut(Option<SequenceMark>) -> Option<SequenceMark> + Send,
+        {
+            self.records.update_mark(scope, apply).await
+        }
+        async fn get_mark(&self, scope: &OrderingScope) -> Result<Option<SequenceMark>, Error> {
+            self.records.get_mark(scope).await
+        }
+        async fn durable(&self) -> Result<(), Error> {
+            Ok(())
+        }
+        async fn reap(&self, now: UnixMillis, budget: usize) -> Result<ReapReport, Error> {
+            self.records.reap(now, budget).await
+        }
+        fn health(&self) -> Result<(), Error> {
+            Ok(())
+        }
+        async fn stats(&self) -> StoreStats {
+            StoreStats::default()
+        }
+        async fn close(&self) -> Result<(), Error> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_read_begun_before_the_feed_came_back_is_not_kept() {
+        use crate::clock::ManualClock;
+
+        let dir = tempfile::tempdir().unwrap();
+        let shared = Arc::new(GatedShared::default());
+        let config = LocalTierConfig {
+            path: dir.path().join("tier"),
+            max_bytes: 8 << 20,
+            max_age: Duration::from_secs(600),
+        };
+        let tiered = Tiered::open(
+            Arc::clone(&shared),
+            &config,
+            Arc::new(ManualClock::new(UnixMillis(1_000))),
+            None,
+        )
+        .unwrap();
+        let upkeep = tiered.keep_current();
+        let until = |on: bool| {
+            let tiered = tiered.clone();
+            async move {
+                while tiered.tier_enabled() != on {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        };
+        shared.subscriptions.add_permits(1);
+        tokio::time::timeout(Duration::from_secs(5), until(true))
+            .await
+            .expect("the tier comes on");
+        // A committed record in the shared store.
+        let key = key(1);
+        shared
+            .records
+            .update(&key, |_, _| Ok((Change::Put(committed(10)), ())))
+            .await
+            .unwrap();
+        // The feed is lost: the tier goes off, and the next subscription
+        // waits (a reconnecting LISTEN or SUBSCRIBE).
+        drop(shared.feed.lock().unwrap().take());
+        tokio::time::timeout(Duration::from_secs(5), until(false))
+            .await
+            .expect("the tier goes off");
+        // While it is off, a lookup reads the record from the shared store…
+        let lookup = {
+            let (tiered, key) = (tiered.clone(), key.clone());
+            tokio::spawn(async move { tiered.get(&key).await })
+        };
+        shared.reads.acquire().await.unwrap().forget();
+        // …another sidecar forgets the key, announced while this one is not
+        // subscribed (a notice it never gets)…
+        shared
+            .records
+            .update(&key, |_, _| Ok((Change::Delete, ())))
+            .await
+            .unwrap();
+        // …the feed comes back, and only then the lookup's answer arrives.
+        shared.subscriptions.add_permits(1);
+        tokio::time::timeout(Duration::from_secs(5), until(true))
+            .await
+            .expect("the tier comes back on");
+        shared.answers.add_permits(1);
+        let stale = lookup.await.unwrap().unwrap();
+        assert!(stale.is_some(), "the lookup read before the Forget");
+        // The stale record must not be kept: the key is gone.
+        assert!(
+            tiered.tier.get(&key).is_none(),
+            "a forgotten record was kept"
+        );
+        shared.answers.add_permits(1);
+        assert!(tiered.get(&key).await.unwrap().is_none());
+        upkeep.abort();
     }
 
     #[tokio::test]

@@ -52,6 +52,8 @@ pub fn config(prefix: &str) -> RedisConfig {
         connections: 4,
         timeout: Duration::from_secs(5),
         ca_pem: None,
+        replicas: 0,
+        allow_eviction: false,
     }
 }
 
@@ -62,6 +64,9 @@ pub async fn store(prefix: &str, clock: Arc<dyn Clock>) -> RedisStore {
         .ping()
         .await
         .unwrap_or_else(|error| panic!("Redis at {} must answer: {error}", url()));
+    // What the sidecar's upkeep does at start: health waits for it.
+    let refused = store.eviction_refusal().await.expect("INFO memory");
+    assert_eq!(refused, None, "the tests' Redis must not evict keys");
     store
 }
 

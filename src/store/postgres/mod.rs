@@ -1,0 +1,736 @@
+//! The shared store: every sidecar over one PostgreSQL, so a redelivery that
+//! lands on another pod still meets the record. The rules stay in
+//! [`crate::machine`]; this file only reads, inserts and conditionally
+//! updates rows.
+//!
+//! - `processed_events`: the article's table (namespace, correlation_id,
+//!   event_type, consumer_version, processed_at) plus the rest of the record
+//!   and a `revision` for optimistic updates, drawn from the `revisions`
+//!   sequence so it never repeats, even when a key is deleted and claimed
+//!   again (a revision counter per row would start over, and a stale
+//!   conditional update would hit the new row).
+//! - `ordering_marks`: the highest committed sequence per ordering scope.
+//! - `fencing_tokens`: a `SEQUENCE`, so fencing tokens increase across every
+//!   sidecar and restart.
+//! - `schema_version`: migrations, applied at start under an advisory lock
+//!   so N sidecars starting at once migrate once.
+//! - Deletions are announced by the deleting statement itself
+//!   (`pg_notify('dedupd_deleted', '<schema> <key>')`, delivered at its
+//!   commit) and heard on a `LISTEN` connection of the sidecar's own: the
+//!   [`DeletionFeed`] that keeps local tiers honest.
+//!
+//! A fresh Claim is one statement (`INSERT … ON CONFLICT DO NOTHING
+//! RETURNING`, the fencing token drawn by `nextval` in the same statement):
+//! the machine runs once with a provisional token to learn what to insert,
+//! and once more with the token the insert drew (it is a pure function, so
+//! both runs agree but for the token). Everything else reads the row, runs
+//! the machine, and writes back `WHERE revision = $read`, retrying when
+//! another sidecar got there first. Each statement commits on its own, so
+//! an answer leaves only once PostgreSQL has made its change durable.
+
+mod config;
+mod feed;
+mod rows;
+mod schema;
+
+use std::{
+    fmt,
+    future::Future,
+    ops::Deref,
+    str::FromStr,
+    sync::{
+        atomic::{AtomicBool, Ordering::SeqCst},
+        Arc, Mutex,
+    },
+    time::Duration,
+};
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use tokio::time::Instant;
+use tokio_postgres::{config::SslMode, NoTls, Row};
+use tokio_postgres_rustls::MakeRustlsConnect;
+
+pub use self::config::{check_schema, check_url, redact_url, PostgresConfig};
+use self::{
+    config::tls_config,
+    feed::DELETION_CHANNEL,
+    rows::{at, fencing_from_db, millis, record_from_row, RecordValues, COLUMNS},
+};
+use super::{
+    shared::{deletion_message, Reachability, RecentWrites},
+    IssueFencing, ReapReport, Store, StoreStats,
+};
+use crate::{
+    clock::UnixMillis,
+    domain::{FencingToken, Key, OrderingScope, Record},
+    error::Error,
+    machine::{Change, SequenceMark},
+    time_policy::TimeSource,
+};
+
+/// A fencing token no claim is ever given: the machine's first run for a
+/// fresh key, before the insert has drawn the real one.
+const PROVISIONAL: FencingToken = FencingToken(0);
+
+/// How long a size figure for `/metrics` is reused: counting rows is a scan,
+/// and every pod's every scrape would run one on the shared database.
+const STATS_FOR: Duration = Duration::from_secs(30);
+
+/// The PostgreSQL store; clones share one pool.
+#[derive(Clone)]
+pub struct PostgresStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: Pool,
+    schema: String,
+    /// Set once the schema is in place; until then every call is UNAVAILABLE.
+    ready: AtomicBool,
+    reachability: Reachability,
+    /// Rows this sidecar wrote last, with their revision: a Commit after our
+    /// own Claim can write back `WHERE revision = $cached` at once.
+    recent: RecentWrites<(Record, i64)>,
+    /// How to open the dedicated connection the deletion feed listens on.
+    listen: Listen,
+    /// Longest one call may take, from taking a connection to the last
+    /// statement's answer.
+    timeout: Duration,
+    /// The last size figures, and when they were counted.
+    stats: Mutex<Option<(Instant, StoreStats)>>,
+    /// Set while one call counts them (the others reuse the last figures).
+    counting: AtomicBool,
+}
+
+/// A pooled connection for one call, with the call's deadline. A connection
+/// whose statement outlived the deadline leaves the pool instead of going
+/// back: its socket may still owe a late answer, or be silent for good (a
+/// partition, a primary gone without a reset).
+struct Conn {
+    client: Option<deadpool_postgres::Client>,
+    deadline: Instant,
+    broken: AtomicBool,
+}
+
+impl Deref for Conn {
+    type Target = deadpool_postgres::Client;
+
+    fn deref(&self) -> &Self::Target {
+        self.client.as_ref().expect("a connection until dropped")
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if *self.broken.get_mut() {
+            if let Some(client) = self.client.take() {
+                drop(deadpool_postgres::Object::take(client));
+            }
+        }
+    }
+}
+
+/// A connection of its own for `LISTEN` (a pooled one would be recycled).
+#[derive(Clone)]
+enum Listen {
+    Plain(tokio_postgres::Config),
+    Tls(tokio_postgres::Config, MakeRustlsConnect),
+}
+
+impl fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("schema", &self.inner.schema)
+            .field("ready", &self.inner.ready.load(SeqCst))
+            .finish()
+    }
+}
+
+impl PostgresStore {
+    /// A store over `config`. Nothing is contacted yet: call
+    /// [`PostgresStore::prepare`] (the server retries it in the background).
+    pub fn new(config: &PostgresConfig) -> Result<PostgresStore, Error> {
+        let mut pg = tokio_postgres::Config::from_str(&config.url)
+            .map_err(|error| Error::Store(format!("{}: {error}", redact_url(&config.url))))?;
+        let timeout_ms = config.statement_timeout.as_millis();
+        pg.options(format!(
+            "-c statement_timeout={timeout_ms} -c search_path={}",
+            config.schema
+        ));
+        pg.connect_timeout(config.statement_timeout);
+        pg.application_name("dedupd");
+        // A peer that vanished without a reset (a partition, a primary
+        // gone) is found by the kernel too, not only by our deadlines: the
+        // sockets of connections taken out of the pool close in seconds, not
+        // after the ~15 minutes of TCP retransmissions.
+        pg.keepalives(true)
+            .keepalives_idle(Duration::from_secs(5))
+            .keepalives_interval(Duration::from_secs(1))
+            .keepalives_retries(3)
+            .tcp_user_timeout(config.statement_timeout.max(Duration::from_secs(1)) * 2);
+        let recycling = || ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        };
+        // TLS only when the URL insists (sslmode=require), and then always
+        // verified: an unverified "prefer" handshake would only look secure.
+        let (manager, listen) = if pg.get_ssl_mode() == SslMode::Require {
+            let tls = MakeRustlsConnect::new(tls_config(config.ca_pem.as_deref())?);
+            let listen = Listen::Tls(pg.clone(), tls.clone());
+            (Manager::from_config(pg, tls, recycling()), listen)
+        } else {
+            let listen = Listen::Plain(pg.clone());
+            (Manager::from_config(pg, NoTls, recycling()), listen)
+        };
+        let pool = Pool::builder(manager)
+            .max_size(config.pool_size)
+            .wait_timeout(Some(config.statement_timeout))
+            .create_timeout(Some(config.statement_timeout))
+            .recycle_timeout(Some(config.statement_timeout))
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .build()
+            .map_err(|error| Error::Store(format!("connection pool: {error}")))?;
+        Ok(PostgresStore {
+            inner: Arc::new(Inner {
+                pool,
+                schema: config.schema.clone(),
+                ready: AtomicBool::new(false),
+                reachability: Reachability::default(),
+                recent: RecentWrites::default(),
+                listen,
+                timeout: config.statement_timeout,
+                stats: Mutex::new(None),
+                counting: AtomicBool::new(false),
+            }),
+        })
+    }
+
+    /// A connection for one call, which must be over by `--store-timeout`
+    /// from now: every statement on it is bounded by that one deadline.
+    async fn client(&self) -> Result<Conn, Error> {
+        let deadline = Instant::now() + self.inner.timeout;
+        let client = match tokio::time::timeout_at(deadline, self.inner.pool.get()).await {
+            Ok(Ok(client)) => client,
+            Ok(Err(error)) => {
+                return self
+                    .inner
+                    .reachability
+                    .observe(Err(Error::Unavailable(format!(
+                        "PostgreSQL unreachable: {error}"
+                    ))))
+            }
+            Err(_) => return self.inner.reachability.observe(Err(self.silent())),
+        };
+        // A pooled connection is no proof the server answers: only
+        // failures are noted here.
+        Ok(Conn {
+            client: Some(client),
+            deadline,
+            broken: AtomicBool::new(false),
+        })
+    }
+
+    fn silent(&self) -> Error {
+        Error::Unavailable(format!(
+            "PostgreSQL did not answer within {:?} (--store-timeout)",
+            self.inner.timeout
+        ))
+    }
+
+    /// Runs one exchange with the server on `conn` within the call's
+    /// deadline, noting for health whether the server answered. Past the
+    /// deadline the connection is dropped, not reused.
+    async fn bounded<T>(
+        &self,
+        conn: &Conn,
+        exchange: impl Future<Output = Result<T, tokio_postgres::Error>>,
+    ) -> Result<T, Error> {
+        match tokio::time::timeout_at(conn.deadline, exchange).await {
+            Ok(answered) => {
+                if answered
+                    .as_ref()
+                    .is_err_and(tokio_postgres::Error::is_closed)
+                {
+                    conn.broken.store(true, SeqCst);
+                }
+                self.observe(answered)
+            }
+            Err(_) => {
+                conn.broken.store(true, SeqCst);
+                self.inner.reachability.observe(Err(self.silent()))
+            }
+        }
+    }
+
+    /// Notes whether the server answered, for health.
+    fn observe<T>(&self, result: Result<T, tokio_postgres::Error>) -> Result<T, Error> {
+        self.inner.reachability.observe(result.map_err(db_error))
+    }
+
+    fn ready(&self) -> Result<(), Error> {
+        if self.inner.ready.load(SeqCst) {
+            Ok(())
+        } else {
+            Err(Error::Unavailable(
+                "PostgreSQL schema not ready yet (is the server reachable?)".into(),
+            ))
+        }
+    }
+
+    /// Keeps the store connected for as long as it lives: prepares the
+    /// schema (retrying with backoff while the server is unreachable, so a
+    /// sidecar can start before its database), then pings once a second
+    /// while the last statement found the server gone, so health recovers by
+    /// itself without traffic. (With a [`crate::time_policy::StoreClock`]
+    /// measuring this store, its once-a-second reading also finds a server
+    /// gone silent while nobody calls.)
+    pub fn keep_connected(&self) -> tokio::task::JoinHandle<()> {
+        let store = self.clone();
+        tokio::spawn(async move {
+            let mut backoff = Duration::from_millis(100);
+            while !store.inner.ready.load(SeqCst) {
+                match store.prepare().await {
+                    Ok(()) => {
+                        tracing::info!(schema = %store.inner.schema, "PostgreSQL schema ready")
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, ?backoff, "PostgreSQL not ready; retrying");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(5));
+                    }
+                }
+            }
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                if store.writable().is_err() {
+                    if let Err(error) = store.ping().await {
+                        tracing::debug!(%error, "PostgreSQL still unreachable");
+                    }
+                }
+            }
+        })
+    }
+
+    /// Runs one statement, prepared once per connection, noting for health
+    /// whether the server answered; how many rows it changed.
+    async fn execute(
+        &self,
+        client: &Conn,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<u64, Error> {
+        let statement = self.bounded(client, client.prepare_cached(sql)).await?;
+        self.bounded(client, client.execute(&statement, params))
+            .await
+    }
+
+    /// Like [`PostgresStore::execute`], for a statement answering at most
+    /// one row.
+    async fn query_opt(
+        &self,
+        client: &Conn,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<Option<Row>, Error> {
+        let statement = self.bounded(client, client.prepare_cached(sql)).await?;
+        self.bounded(client, client.query_opt(&statement, params))
+            .await
+    }
+
+    /// Asks the server whether it answers (for health; cheap).
+    pub async fn ping(&self) -> Result<(), Error> {
+        let client = self.client().await?;
+        self.bounded(&client, client.simple_query("SELECT 1"))
+            .await?;
+        Ok(())
+    }
+
+    async fn read(&self, client: &Conn, key: &Key) -> Result<Option<(Record, i64)>, Error> {
+        let schema = &self.inner.schema;
+        let sql = format!(
+            "SELECT {COLUMNS}, revision FROM {schema}.processed_events
+                  WHERE namespace = $1 AND correlation_id = $2"
+        );
+        self.query_opt(client, &sql, &[&key.namespace(), &key.correlation_id()])
+            .await?
+            .map(|row| Ok((record_from_row(&row)?, row.get::<_, i64>("revision"))))
+            .transpose()
+    }
+
+    /// A fencing token for a claim over `current`: the sequence's next,
+    /// but never at or below the token the row already holds. A sequence
+    /// can go back — a switchover by logical replication (sequences are not
+    /// replicated), an asynchronous failover, a restore — and a key's
+    /// tokens must not.
+    async fn next_fencing(
+        &self,
+        client: &Conn,
+        current: Option<&Record>,
+    ) -> Result<FencingToken, Error> {
+        let schema = &self.inner.schema;
+        let sql = format!("SELECT nextval('{schema}.fencing_tokens')");
+        let drawn = self
+            .query_opt(client, &sql, &[])
+            .await?
+            .map_or(0, |row| row.get::<_, i64>(0));
+        let floor = current.map_or(0, |record| record.fencing_token.0.saturating_add(1));
+        Ok(FencingToken(fencing_from_db(drawn).0.max(floor)))
+    }
+}
+
+fn db_error(error: tokio_postgres::Error) -> Error {
+    // No server answer at all (refused, reset, closed), or a timeout: retry.
+    let unavailable = error.is_closed()
+        || error.code().is_none()
+        || error.code().is_some_and(|code| {
+            code == &tokio_postgres::error::SqlState::QUERY_CANCELED
+                || code.code().starts_with("08")
+                || code.code().starts_with("57")
+        });
+    if unavailable {
+        Error::Unavailable(format!("PostgreSQL: {error}"))
+    } else {
+        Error::Store(format!("PostgreSQL: {error}"))
+    }
+}
+
+impl Store for PostgresStore {
+    async fn update<T, F>(&self, key: &Key, mut apply: F) -> Result<T, Error>
+    where
+        T: Send,
+        F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
+    {
+        self.ready()?;
+        let client = self.client().await?;
+        let schema = &self.inner.schema;
+        let mut remembered = self.inner.recent.recall(key);
+        // A fresh key (as far as this sidecar knows): one statement, the
+        // fencing token drawn by it.
+        let fresh = match remembered {
+            None => apply(None, &mut || Ok(PROVISIONAL))?.0,
+            Some(_) => Change::Keep,
+        };
+        if let Change::Put(record) = fresh {
+            let values = RecordValues::new(&record);
+            let (namespace, correlation_id) = (key.namespace(), key.correlation_id());
+            let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
+                vec![&namespace, &correlation_id];
+            params.extend(values.params());
+            // The fencing token (third column) is drawn by nextval instead.
+            params.remove(4);
+            let sql = format!(
+                    "INSERT INTO {schema}.processed_events (namespace, correlation_id, {COLUMNS}, revision)
+                     VALUES ($1, $2, $3, $4, nextval('{schema}.fencing_tokens'), $5, $6, $7, $8, $9, $10,
+                             $11, $12, $13, $14, $15, $16, $17, $18, $19, nextval('{schema}.revisions'))
+                     ON CONFLICT (namespace, correlation_id) DO NOTHING
+                     RETURNING fencing_token, revision"
+                );
+            if let Some(row) = self.query_opt(&client, &sql, &params).await? {
+                let token = fencing_from_db(row.get(0));
+                let (change, answer) = apply(None, &mut || Ok(token))?;
+                if let Change::Put(record) = change {
+                    self.inner.recent.remember(key, (record, row.get(1)));
+                }
+                return Ok(answer);
+            }
+        }
+        // The key exists (or the change was not an insert): read, decide,
+        // write back only if nobody changed it meanwhile.
+        loop {
+            let guessed = remembered.take();
+            let from_memory = guessed.is_some();
+            let current = match guessed {
+                Some(row) => Some(row),
+                None => self.read(&client, key).await?,
+            };
+            let (record, revision) = match &current {
+                Some((record, revision)) => (Some(record), *revision),
+                None => (None, 0),
+            };
+            let mut wants_token = false;
+            let (change, answer) = apply(record, &mut || {
+                wants_token = true;
+                Ok(PROVISIONAL)
+            })?;
+            let (change, answer) = if wants_token {
+                let token = self.next_fencing(&client, record).await?;
+                apply(record, &mut || Ok(token))?
+            } else {
+                (change, answer)
+            };
+            if from_memory && matches!(change, Change::Keep) {
+                // An answer that changes nothing must come from the row as
+                // it is, not as this sidecar last wrote it.
+                continue;
+            }
+            let written = match (&change, current.is_some()) {
+                (Change::Keep, _) | (Change::Delete, false) => return Ok(answer),
+                (Change::Put(next), true) => {
+                    let values = RecordValues::new(next);
+                    let (namespace, correlation_id) = (key.namespace(), key.correlation_id());
+                    let mut params = values.params().to_vec();
+                    params.push(&namespace);
+                    params.push(&correlation_id);
+                    params.push(&revision);
+                    let sql = format!(
+                        "UPDATE {schema}.processed_events SET
+                               (state, lease_token, fencing_token, lease_expires_at_ms, attempt,
+                                event_type, consumer_version, owner, payload_fingerprint,
+                                claimed_at_ms, committed_at_ms, retain_until_ms, retention_ms,
+                                response, ordering_key, sequence, request_id, recovered, revision)
+                             = ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
+                                $16, $17, $18, nextval('{schema}.revisions'))
+                             WHERE namespace = $19 AND correlation_id = $20 AND revision = $21
+                             RETURNING revision"
+                    );
+                    self.query_opt(&client, &sql, &params)
+                        .await?
+                        .map(|row| row.get::<_, i64>(0))
+                }
+                (Change::Put(next), false) => {
+                    let values = RecordValues::new(next);
+                    let (namespace, correlation_id) = (key.namespace(), key.correlation_id());
+                    let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
+                        vec![&namespace, &correlation_id];
+                    params.extend(values.params());
+                    let sql = format!(
+                            "INSERT INTO {schema}.processed_events (namespace, correlation_id, {COLUMNS}, revision)
+                             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
+                                     $16, $17, $18, $19, $20, nextval('{schema}.revisions'))
+                             ON CONFLICT (namespace, correlation_id) DO NOTHING
+                             RETURNING revision"
+                        );
+                    self.query_opt(&client, &sql, &params)
+                        .await?
+                        .map(|row| row.get::<_, i64>(0))
+                }
+                (Change::Delete, true) => {
+                    // The notice goes out with the deletion's commit, or not
+                    // at all: other sidecars' local tiers drop the key.
+                    let sql = format!(
+                        "WITH deleted AS (
+                           DELETE FROM {schema}.processed_events
+                            WHERE namespace = $1 AND correlation_id = $2 AND revision = $3
+                           RETURNING 1)
+                         SELECT pg_notify('{DELETION_CHANNEL}', $4) FROM deleted"
+                    );
+                    let notice = format!("{schema} {}", deletion_message(key));
+                    self.query_opt(
+                        &client,
+                        &sql,
+                        &[&key.namespace(), &key.correlation_id(), &revision, &notice],
+                    )
+                    .await?
+                    .map(|_| 0)
+                }
+            };
+            if let Some(new_revision) = written {
+                match change {
+                    Change::Put(record) => self.inner.recent.remember(key, (record, new_revision)),
+                    Change::Delete | Change::Keep => self.inner.recent.forget(key),
+                }
+                return Ok(answer);
+            }
+            // Another sidecar changed the row between our read (or memory)
+            // and our write: read it again.
+            self.inner.recent.forget(key);
+        }
+    }
+
+    async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
+        self.ready()?;
+        let client = self.client().await?;
+        Ok(self.read(&client, key).await?.map(|(record, _)| record))
+    }
+
+    async fn update_mark<F>(&self, scope: &OrderingScope, mut apply: F) -> Result<(), Error>
+    where
+        F: FnMut(Option<SequenceMark>) -> Option<SequenceMark> + Send,
+    {
+        self.ready()?;
+        let client = self.client().await?;
+        let schema = &self.inner.schema;
+        loop {
+            let current = self.read_mark(&client, scope).await?;
+            let Some(next) = apply(current) else {
+                return Ok(());
+            };
+            let (highest, until) = (
+                i64::try_from(next.highest).unwrap_or(i64::MAX),
+                millis(next.retain_until),
+            );
+            let written = match current {
+                None => {
+                    let sql = format!(
+                            "INSERT INTO {schema}.ordering_marks (namespace, ordering_key, highest, retain_until_ms)
+                             VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING"
+                        );
+                    self.execute(
+                        &client,
+                        &sql,
+                        &[&scope.namespace, &scope.ordering_key, &highest, &until],
+                    )
+                    .await?
+                }
+                Some(old) => {
+                    let (old_highest, old_until) = (
+                        i64::try_from(old.highest).unwrap_or(i64::MAX),
+                        millis(old.retain_until),
+                    );
+                    let sql = format!(
+                        "UPDATE {schema}.ordering_marks SET highest = $3, retain_until_ms = $4
+                              WHERE namespace = $1 AND ordering_key = $2
+                                AND highest = $5 AND retain_until_ms = $6"
+                    );
+                    self.execute(
+                        &client,
+                        &sql,
+                        &[
+                            &scope.namespace,
+                            &scope.ordering_key,
+                            &highest,
+                            &until,
+                            &old_highest,
+                            &old_until,
+                        ],
+                    )
+                    .await?
+                }
+            };
+            if written == 1 {
+                return Ok(());
+            }
+        }
+    }
+
+    async fn get_mark(&self, scope: &OrderingScope) -> Result<Option<SequenceMark>, Error> {
+        self.ready()?;
+        let client = self.client().await?;
+        self.read_mark(&client, scope).await
+    }
+
+    async fn durable(&self) -> Result<(), Error> {
+        // Every statement committed before it answered.
+        Ok(())
+    }
+
+    async fn reap(&self, now: UnixMillis, budget: usize) -> Result<ReapReport, Error> {
+        self.ready()?;
+        let client = self.client().await?;
+        let schema = &self.inner.schema;
+        let limit = i64::try_from(budget).unwrap_or(i64::MAX);
+        let now = millis(now);
+        // Small batches, rows others are busy with skipped, the expiry
+        // checked again at delete: harmless from any number of sidecars.
+        let mut removed = 0;
+        for table in ["processed_events", "ordering_marks"] {
+            let sql = format!(
+                "DELETE FROM {schema}.{table} WHERE ctid IN (
+                   SELECT ctid FROM {schema}.{table} WHERE retain_until_ms <= $1
+                    LIMIT $2 FOR UPDATE SKIP LOCKED)
+                 AND retain_until_ms <= $1"
+            );
+            removed += self.execute(&client, &sql, &[&now, &limit]).await?;
+        }
+        let removed = usize::try_from(removed).unwrap_or(usize::MAX);
+        Ok(ReapReport {
+            removed,
+            examined: removed,
+        })
+    }
+
+    fn health(&self) -> Result<(), Error> {
+        // Nothing here is permanent: an unreachable server passes by itself.
+        Ok(())
+    }
+
+    fn writable(&self) -> Result<(), Error> {
+        self.ready()?;
+        self.inner.reachability.check()
+    }
+
+    async fn stats(&self) -> StoreStats {
+        let cached = *self.inner.stats.lock().expect("stats lock");
+        if let Some((counted, stats)) = cached {
+            if counted.elapsed() < STATS_FOR {
+                return stats;
+            }
+        }
+        // One count at a time per sidecar; the others reuse the last one.
+        if self.inner.counting.swap(true, SeqCst) {
+            return cached.map(|(_, stats)| stats).unwrap_or_default();
+        }
+        let stats = self.count().await;
+        *self.inner.stats.lock().expect("stats lock") = Some((Instant::now(), stats));
+        self.inner.counting.store(false, SeqCst);
+        stats
+    }
+
+    async fn close(&self) -> Result<(), Error> {
+        self.inner.pool.close();
+        Ok(())
+    }
+}
+
+impl PostgresStore {
+    /// Counts the rows now (a scan: [`Store::stats`] reuses it for
+    /// [`STATS_FOR`]).
+    pub async fn count(&self) -> StoreStats {
+        let schema = &self.inner.schema;
+        let Ok(client) = self.client().await else {
+            return StoreStats::default();
+        };
+        let sql = format!(
+            "SELECT count(*), pg_total_relation_size('{schema}.processed_events') FROM {schema}.processed_events"
+        );
+        match self.query_opt(&client, &sql, &[]).await {
+            Ok(Some(row)) => StoreStats {
+                records: u64::try_from(row.get::<_, i64>(0)).ok(),
+                disk_bytes: u64::try_from(row.get::<_, i64>(1)).ok(),
+            },
+            _ => StoreStats::default(),
+        }
+    }
+
+    async fn read_mark(
+        &self,
+        client: &Conn,
+        scope: &OrderingScope,
+    ) -> Result<Option<SequenceMark>, Error> {
+        let schema = &self.inner.schema;
+        let sql = format!(
+            "SELECT highest, retain_until_ms FROM {schema}.ordering_marks
+                  WHERE namespace = $1 AND ordering_key = $2"
+        );
+        Ok(self
+            .query_opt(client, &sql, &[&scope.namespace, &scope.ordering_key])
+            .await?
+            .map(|row| SequenceMark {
+                highest: u64::try_from(row.get::<_, i64>(0)).unwrap_or(0),
+                retain_until: at(row.get(1)),
+            }))
+    }
+}
+
+impl TimeSource for PostgresStore {
+    async fn store_micros(&self) -> Result<u64, Error> {
+        let client = self.client().await?;
+        // One round trip (the simple protocol: no prepare); the server's
+        // clock as the statement runs, not its transaction's start.
+        let answer = self
+            .bounded(
+                &client,
+                client.simple_query(
+                    "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
+                ),
+            )
+            .await?;
+        answer
+            .iter()
+            .find_map(|message| match message {
+                tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0),
+                _ => None,
+            })
+            .and_then(|text| text.parse().ok())
+            .ok_or_else(|| Error::Store("PostgreSQL's clock_timestamp() is unreadable".into()))
+    }
+}
