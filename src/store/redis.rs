@@ -562,11 +562,14 @@ impl RedisStore {
             &mut *self.inner.eviction.lock().expect("eviction lock"),
             now.clone(),
         );
+        // A change while serving is logged here; the first reading's
+        // verdict by whoever asked for it (at start: one configuration
+        // line and exit 64).
         match (&before, &now) {
             (Eviction::Refused(_), Eviction::Never) => {
                 tracing::info!("Redis no longer evicts keys: serving again")
             }
-            (Eviction::Unread | Eviction::Never, Eviction::Refused(reason)) => {
+            (Eviction::Never, Eviction::Refused(reason)) => {
                 tracing::error!(reason = %reason, "Redis refused: NOT_SERVING")
             }
             _ => {}
@@ -608,8 +611,14 @@ impl RedisStore {
                     }
                 }
                 if checked.is_none_or(|at| at.elapsed() >= EVICTION_CHECK_EVERY) {
+                    let first = checked.is_none();
                     match store.eviction_refusal().await {
-                        Ok(_) => checked = Some(tokio::time::Instant::now()),
+                        Ok(refusal) => {
+                            if let (true, Some(reason)) = (first, refusal) {
+                                tracing::error!(reason = %reason, "Redis refused: NOT_SERVING");
+                            }
+                            checked = Some(tokio::time::Instant::now());
+                        }
                         Err(error) => {
                             tracing::debug!(%error, "cannot read Redis's eviction policy")
                         }
