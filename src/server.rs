@@ -201,7 +201,18 @@ pub async fn run<S: Store>(
         .with_metrics(Arc::clone(&config.metrics));
     let limits = Arc::new(config.limits.clone());
     let (health, health_service) = tonic_health::server::health_reporter();
-    set_health(&health, ServingStatus::Serving).await;
+    // SERVING only once calls can be answered: a shared store's schema in
+    // place and its clock measured (the health watch follows from here).
+    let serving_at_start = engine.writable().is_ok();
+    set_health(
+        &health,
+        if serving_at_start {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        },
+    )
+    .await;
     let ready = Arc::new(AtomicBool::new(true));
 
     // One signal fans out to every server: first NOT_SERVING, then stop.
@@ -351,6 +362,7 @@ pub async fn run<S: Store>(
     let health_watch = AbortOnDrop(tokio::spawn(watch_health(
         engine.clone(),
         health.clone(),
+        serving_at_start,
         store_failed,
         stopped(),
     )));
@@ -525,12 +537,12 @@ const HEALTH_INTERVAL: Duration = Duration::from_secs(1);
 async fn watch_health<S: Store>(
     engine: Engine<S>,
     health: HealthReporter,
+    mut serving: bool,
     failed: watch::Sender<Option<String>>,
     stop: impl Future<Output = ()>,
 ) {
     let mut ticker = tokio::time::interval(HEALTH_INTERVAL);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut serving = true;
     tokio::pin!(stop);
     loop {
         tokio::select! {
@@ -545,7 +557,7 @@ async fn watch_health<S: Store>(
         if writable.is_ok() != serving {
             serving = writable.is_ok();
             match &writable {
-                Ok(()) => tracing::info!("the store takes writes again: SERVING"),
+                Ok(()) => tracing::info!("the store takes writes: SERVING"),
                 Err(error) => tracing::warn!(%error, "the store refuses writes: NOT_SERVING"),
             }
             let status = if serving {
