@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::sync::Arc;
+use std::{str::FromStr, sync::Arc};
 
 use common::{postgres, shared, *};
 use dedupd::{proto::v1 as pb, store::postgres::PostgresStore};
@@ -266,4 +266,104 @@ fn tls_config() -> dedupd::store::postgres::PostgresConfig {
         statement_timeout: std::time::Duration::from_secs(5),
         ca_pem: None,
     }
+}
+
+/// Behind PgBouncer in transaction mode (its usual setting) LISTEN succeeds
+/// and hears nothing: the listening server session goes back to the pool.
+/// The deletion feed proves itself with a probe sent from a pooled
+/// connection, so it refuses to subscribe (the local tier stays off, with a
+/// warning) instead of keeping records whose Forget it would never hear.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listen_behind_a_transaction_pooler_is_refused() {
+    use dedupd::store::shared::DeletionFeed;
+
+    if !postgres::available() {
+        return;
+    }
+    let Some(pgbouncer) = ["/usr/sbin/pgbouncer", "/usr/bin/pgbouncer"]
+        .into_iter()
+        .find(|path| std::path::Path::new(path).exists())
+    else {
+        dedupd_testkit::skip::skip("PgBouncer is missing: apt-get install pgbouncer");
+        return;
+    };
+    let target = tokio_postgres::Config::from_str(postgres::url()).unwrap();
+    let database = target.get_dbname().unwrap_or("postgres").to_owned();
+    let user = target.get_user().unwrap_or("postgres").to_owned();
+    let dir = tempfile::tempdir().unwrap();
+    // PgBouncer refuses to run as root; as root it runs as postgres, which
+    // must reach its directory.
+    let root = running_as_root();
+    if root {
+        std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o777),
+        )
+        .unwrap();
+    }
+    let port = dedupd_testkit::services::free_port();
+    let ini = dir.path().join("pgbouncer.ini");
+    std::fs::write(
+        &ini,
+        format!(
+            "[databases]\n{database} = host=127.0.0.1 port={} dbname={database} user={user}\n\
+             [pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {port}\nauth_type = any\n\
+             pool_mode = transaction\nunix_socket_dir =\nlogfile = {dir}/pgbouncer.log\n\
+             pidfile = {dir}/pgbouncer.pid\nignore_startup_parameters = extra_float_digits,options\n",
+            postgres::port(),
+            dir = dir.path().display(),
+        ),
+    )
+    .unwrap();
+    let mut command = if root {
+        let mut command = std::process::Command::new("runuser");
+        command.args(["-u", "postgres", "--", pgbouncer]);
+        command
+    } else {
+        std::process::Command::new(pgbouncer)
+    };
+    let mut bouncer = command
+        .arg(&ini)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start pgbouncer");
+    let started = std::time::Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "PgBouncer never listened: {}",
+            std::fs::read_to_string(dir.path().join("pgbouncer.log")).unwrap_or_default()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let schema = postgres::fresh_schema();
+    let through_pooler = PostgresStore::new(&dedupd::store::postgres::PostgresConfig {
+        url: postgres::url_via(port),
+        ..postgres::config(&schema)
+    })
+    .unwrap();
+    let refused = through_pooler
+        .subscribe()
+        .await
+        .expect_err("LISTEN through a transaction pooler hears nothing");
+    assert!(
+        refused.to_string().contains("connection pooler"),
+        "{refused}"
+    );
+    // The same feed straight to PostgreSQL proves itself.
+    let direct = postgres::store(&schema).await;
+    direct
+        .subscribe()
+        .await
+        .expect("a direct LISTEN hears its probe");
+    let _ = bouncer.kill();
+    let _ = bouncer.wait();
+    postgres::drop_schema(&schema).await;
+}
+
+/// Whether this process runs as root (the owner of /proc/self).
+fn running_as_root() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").is_ok_and(|meta| meta.uid() == 0)
 }

@@ -957,6 +957,56 @@ mod tests {
     }
 
     #[test]
+    fn a_retried_write_that_landed_is_recognised_as_ours() {
+        let record = |bytes: &[u8], token: &str| Stored {
+            bytes: bytes.to_vec(),
+            token: token.to_owned(),
+            record: Record {
+                state: crate::domain::RecordState::Committed,
+                lease_token: crate::domain::LeaseToken(7),
+                fencing_token: FencingToken(7),
+                lease_expires_at: UnixMillis(1),
+                attempt: 1,
+                event_type: String::new(),
+                consumer_version: String::new(),
+                owner: String::new(),
+                payload_fingerprint: String::new(),
+                claimed_at: UnixMillis(1),
+                committed_at: Some(UnixMillis(2)),
+                retain_until: UnixMillis(3),
+                retention: Duration::from_secs(1),
+                response: Vec::new(),
+                ordering: None,
+                request_id: String::new(),
+                recovered: false,
+            },
+        };
+        let put = |token: Option<u64>| Write::Put {
+            bytes: b"committed".to_vec(),
+            token: token.map(FencingToken),
+            retain_until: UnixMillis(1),
+        };
+        // A Commit (token kept) found written after a retry: ours, COMMITTED.
+        let found = record(b"committed", "7");
+        assert!(is_our_write(&put(Some(7)), Some(&found), false, true));
+        // Without a retry the same bytes may be another sidecar's write.
+        assert!(!is_our_write(&put(Some(7)), Some(&found), false, false));
+        assert!(!is_our_write(&put(Some(8)), Some(&found), false, true));
+        // A claim's bytes hold its random lease token: equal bytes are ours.
+        assert!(is_our_write(&put(None), Some(&found), true, false));
+        assert!(!is_our_write(
+            &put(None),
+            Some(&record(b"other", "7")),
+            true,
+            true
+        ));
+        // A Forget that finds nothing after a retry deleted it itself.
+        assert!(is_our_write(&Write::Delete, None, false, true));
+        assert!(!is_our_write(&Write::Delete, None, false, false));
+        assert!(!is_our_write(&Write::Delete, Some(&found), false, true));
+    }
+
+    #[test]
     fn marks_round_trip() {
         let mark = SequenceMark {
             highest: 42,

@@ -135,13 +135,14 @@ impl DeletionFeed for PostgresStore {
 }
 
 impl PostgresStore {
-    /// Notifies `channel` with `probe` from a pooled connection.
+    /// Notifies `channel` with `probe` from a pooled connection, by the
+    /// simple protocol (no prepared statement: it must pass a pooler in
+    /// transaction mode to show what that pooler does to LISTEN). Both are
+    /// ours: a `dedupd_probe_<hex>` identifier and a number.
     async fn notify_probe(&self, channel: &str, probe: u64) -> Result<(), Error> {
         let client = self.client().await?;
-        let payload = probe.to_string();
-        self.query_opt(&client, "SELECT pg_notify($1, $2)", &[&channel, &payload])
-            .await
-            .map(|_| ())
+        let notify = format!("NOTIFY {channel}, '{probe}'");
+        self.bounded(&client, client.batch_execute(&notify)).await
     }
 }
 
