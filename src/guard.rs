@@ -170,7 +170,17 @@ pub struct GuardConfig {
     /// client that sends headers and stalls holds no admission slot, and is
     /// answered DEADLINE_EXCEEDED after this long.
     pub request_read_timeout: Duration,
+    /// Bytes of request messages held at once, from their first byte until
+    /// their call is answered, over every connection and stream: what bounds
+    /// the memory of requests (not connections × streams × message size). A
+    /// message that would go past it is refused with RESOURCE_EXHAUSTED as
+    /// it arrives, before admission. At least one largest message fits.
+    pub read_budget_bytes: usize,
 }
+
+/// The default [`GuardConfig::read_budget_bytes`] (raised to twice the
+/// largest message allowed, if that is more).
+pub const DEFAULT_READ_BUDGET_BYTES: usize = 64 << 20;
 
 impl GuardConfig {
     fn authenticate(&self) -> Authenticate {
@@ -232,6 +242,11 @@ where
 {
     let limit = config.max_concurrent_requests;
     let timeout = config.request_timeout;
+    let read_budget_bytes = config
+        .read_budget_bytes
+        .max(max_message_bytes.saturating_add(5))
+        .min(Semaphore::MAX_PERMITS);
+    let read_budget = Arc::new(Semaphore::new(read_budget_bytes));
     let stack = ServiceBuilder::new()
         .layer_fn(|inner| RpcTimer {
             inner,
@@ -244,6 +259,7 @@ where
                 timeout,
                 read_timeout: config.request_read_timeout,
                 max_message_bytes,
+                read_budget_bytes,
             },
             not_ready: None,
         })
@@ -252,6 +268,7 @@ where
             read_timeout: config.request_read_timeout,
             // The gRPC frame header: a flag byte and a 4-byte length.
             max_bytes: max_message_bytes.saturating_add(5),
+            budget: Arc::clone(&read_budget),
         })
         .layer(LoadShedLayer::new())
         .layer(GlobalConcurrencyLimitLayer::with_semaphore(Arc::new(
@@ -306,6 +323,7 @@ struct Limits {
     timeout: Duration,
     read_timeout: Duration,
     max_message_bytes: usize,
+    read_budget_bytes: usize,
 }
 
 impl Limits {
@@ -323,6 +341,10 @@ impl Limits {
                 Unread::Broken(error) => {
                     Status::cancelled(format!("the request stream broke: {error}"))
                 }
+                Unread::OverBudget => Status::resource_exhausted(format!(
+                    "overloaded: request messages in progress hold {} bytes; retry with backoff",
+                    self.read_budget_bytes
+                )),
             }
         } else if error.is::<tower::load_shed::error::Overloaded>() {
             Status::resource_exhausted(format!(
@@ -393,6 +415,9 @@ enum Unread {
     TooLarge,
     #[error("the request stream broke: {0}")]
     Broken(BoxError),
+    /// Every byte of the read budget is held by other requests.
+    #[error("the request messages in progress hold the whole read budget")]
+    OverBudget,
 }
 
 /// Reads the whole request message before the call goes on to admission,
@@ -404,6 +429,9 @@ struct ReadBody<S> {
     inner: S,
     read_timeout: Duration,
     max_bytes: usize,
+    /// One permit per byte of request messages held (see
+    /// [`GuardConfig::read_budget_bytes`]).
+    budget: Arc<Semaphore>,
 }
 
 type ReadFuture = Pin<Box<dyn Future<Output = Result<http::Response<Body>, BoxError>> + Send>>;
@@ -429,19 +457,45 @@ where
     fn call(&mut self, request: http::Request<Body>) -> ReadFuture {
         let inner = self.inner.clone();
         let (read_timeout, max_bytes) = (self.read_timeout, self.max_bytes);
+        let budget = Arc::clone(&self.budget);
         Box::pin(async move {
             let (parts, body) = request.into_parts();
-            let read = tokio::time::timeout(read_timeout, Limited::new(body, max_bytes).collect());
+            let mut held = budget.clone().try_acquire_many_owned(0).ok();
+            let read = tokio::time::timeout(read_timeout, async {
+                let mut body = Limited::new(body, max_bytes);
+                let mut message = bytes::BytesMut::new();
+                while let Some(frame) = body.frame().await {
+                    let Ok(chunk) = frame?.into_data() else {
+                        continue; // trailers: a unary request has none to keep
+                    };
+                    // Taken as the bytes arrive, never waited for: a full
+                    // budget is an overload to shed, not a queue.
+                    let bytes = u32::try_from(chunk.len()).unwrap_or(u32::MAX);
+                    let more = budget
+                        .clone()
+                        .try_acquire_many_owned(bytes)
+                        .map_err(|_| BoxError::from(Unread::OverBudget))?;
+                    match held.as_mut() {
+                        Some(permit) => permit.merge(more),
+                        None => held = Some(more),
+                    }
+                    message.extend_from_slice(&chunk);
+                }
+                Ok::<_, BoxError>(message.freeze())
+            });
             let message = match read.await {
                 Err(_) => return Err(Unread::TooSlow.into()),
                 Ok(Err(error)) if error.is::<LengthLimitError>() => {
                     return Err(Unread::TooLarge.into())
                 }
+                Ok(Err(error)) if error.is::<Unread>() => return Err(error),
                 Ok(Err(error)) => return Err(Unread::Broken(error).into()),
-                Ok(Ok(collected)) => collected.to_bytes(),
+                Ok(Ok(message)) => message,
             };
             let request = http::Request::from_parts(parts, Body::new(Full::new(message)));
-            inner.oneshot(request).await
+            let answer = inner.oneshot(request).await;
+            drop(held);
+            answer
         })
     }
 }

@@ -61,7 +61,7 @@ pub mod store;
 pub mod time_policy;
 
 pub use error::{Error, FieldViolation};
-pub use guard::{GuardConfig, Tokens};
+pub use guard::{GuardConfig, Tokens, DEFAULT_READ_BUDGET_BYTES};
 pub use listen::{ListenAddr, Listener};
 pub use metrics::Metrics;
 pub use server::{run, Listeners, ServerConfig};

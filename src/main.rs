@@ -290,6 +290,7 @@ fn configure(args: &ServeArgs) -> Result<(Settings, StoreSettings, ServerConfig)
             max_concurrent_requests: settings.max_concurrent_requests,
             request_timeout: settings.request_timeout,
             request_read_timeout: settings.request_read_timeout,
+            read_budget_bytes: dedupd::DEFAULT_READ_BUDGET_BYTES,
         },
         tls,
         metrics: Arc::new(Metrics::new()),

@@ -142,6 +142,7 @@ impl Default for ServerConfig {
                 max_concurrent_requests: 1024,
                 request_timeout: Duration::from_secs(10),
                 request_read_timeout: Duration::from_secs(5),
+                read_budget_bytes: crate::guard::DEFAULT_READ_BUDGET_BYTES,
             },
             tls: None,
             metrics: Arc::new(Metrics::new()),

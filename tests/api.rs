@@ -711,3 +711,91 @@ async fn a_retried_claim_with_its_request_id_gets_its_claim_back() {
     );
     server.stop().await.unwrap();
 }
+
+/// The memory of request messages is bounded over every connection and
+/// stream, not per stream: a client holding most of the read budget with a
+/// message it never finishes makes a further large message RESOURCE_EXHAUSTED
+/// as it arrives (before admission), and once that client goes the same
+/// message is read and answered.
+#[tokio::test]
+async fn request_messages_share_one_read_budget() {
+    const MESSAGE_LIMIT: usize = 1 << 20;
+    let server = TestServer::start_with(|config| {
+        config.max_message_bytes = MESSAGE_LIMIT;
+        // Raised to one largest message (1 MiB + 5): two do not fit.
+        config.guard.read_budget_bytes = 0;
+    })
+    .await;
+
+    // A raw HTTP/2 client sends 60 KiB of a 1000 KiB message (within
+    // HTTP/2's first flow-control window) and stalls.
+    let tcp = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    let (h2, connection) = h2::client::handshake(tcp).await.unwrap();
+    let driver = tokio::spawn(connection);
+    let mut h2 = h2.ready().await.unwrap();
+    let request = http::Request::post(format!(
+        "http://{}/dedup.v1.ClaimAndCommit/Claim",
+        server.addr
+    ))
+    .header("content-type", "application/grpc")
+    .header("te", "trailers")
+    .body(())
+    .unwrap();
+    let (_response, mut stalled) = h2.send_request(request, false).unwrap();
+    let mut partial = vec![0u8];
+    partial.extend_from_slice(&(1000u32 << 10).to_be_bytes());
+    partial.resize(60 << 10, b'x');
+    stalled.send_data(partial.into(), false).unwrap();
+
+    // Until the server has read it, the budget is not held yet.
+    let mut client = server.client().await;
+    // 980 KiB: alone it fits the budget, beside the stalled 60 KiB not.
+    let big = pb::ClaimRequest {
+        owner: "o".repeat(980 << 10),
+        ..claim_request("big")
+    };
+    let started = std::time::Instant::now();
+    let refused = loop {
+        match client.claim(big.clone()).await {
+            Err(status) if status.code() == Code::ResourceExhausted => break status,
+            other => {
+                assert!(
+                    started.elapsed() < Duration::from_secs(5),
+                    "a second large message was always read: {:?}",
+                    other.map(|_| ())
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    assert!(
+        refused.message().contains("request messages in progress"),
+        "{refused:?}"
+    );
+    // A small call still fits.
+    assert_eq!(
+        outcome(&claim(&mut client, claim_request("small")).await),
+        Outcome::Claimed
+    );
+
+    // The stalled client goes: its bytes are given back.
+    stalled.send_reset(h2::Reason::CANCEL);
+    drop((stalled, h2));
+    driver.abort();
+    let started = std::time::Instant::now();
+    loop {
+        match client.claim(big.clone()).await {
+            Err(status) if status.code() == Code::ResourceExhausted => {
+                assert!(
+                    started.elapsed() < Duration::from_secs(5),
+                    "the budget was never given back"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            // Read, and judged on its content (an owner that long is
+            // refused by validation, or taken).
+            _ => break,
+        }
+    }
+    server.stop().await.unwrap();
+}

@@ -184,6 +184,13 @@ async fn two_sidecars_reap_together_harmlessly() {
     assert_eq!(a.stats().await.records, Some(1));
     let keep = dedupd::api::Limits::default().key("", "keep").unwrap();
     assert!(b.get(&keep).await.unwrap().is_some());
+    // /metrics' figure is counted once per 30 s, not at every scrape of
+    // every pod: gone from the table, still in the cached figure.
+    b.update(&keep, |_, _| Ok((dedupd::machine::Change::Delete, ())))
+        .await
+        .unwrap();
+    assert_eq!(a.count().await.records, Some(0));
+    assert_eq!(a.stats().await.records, Some(1), "counted again");
     server.stop().await.unwrap();
     postgres::drop_schema(&schema).await;
 }

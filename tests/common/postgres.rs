@@ -62,6 +62,25 @@ pub async fn store(schema: &str) -> PostgresStore {
     store
 }
 
+/// Rows in `schema`'s `processed_events`, counted now.
+pub async fn rows(schema: &str) -> usize {
+    let (client, connection) = tokio_postgres::connect(url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    let connection = tokio::spawn(connection);
+    let count: i64 = client
+        .query_one(
+            &format!("SELECT count(*) FROM {schema}.processed_events"),
+            &[],
+        )
+        .await
+        .expect("count rows")
+        .get(0);
+    drop(client);
+    let _ = connection.await;
+    usize::try_from(count).unwrap_or(usize::MAX)
+}
+
 /// Drops `schema` and everything in it.
 pub async fn drop_schema(schema: &str) {
     let (client, connection) = tokio_postgres::connect(url(), tokio_postgres::NoTls)
