@@ -9,6 +9,14 @@
 //! lease's end is known as an interval when it came from a call whose
 //! answer was lost, and comparisons against it branch.
 //!
+//! The sidecars' clock may differ from the recording clock: on a shared store
+//! a sidecar decides by the store's clock as it measured it, within its
+//! `--max-clock-uncertainty` (docs/protocol.md, "Time"). With a tolerance of
+//! that much, a sidecar's moment for an operation lies within the call
+//! interval widened by it on both sides; the sidecars' own readings (a
+//! lease's end, the moment a claim was decided) are compared with each
+//! other as they are.
+//!
 //! The engine reads the clock before its atomic read-modify-write, so two
 //! concurrent calls may take effect in the other order than their clock
 //! readings; the model therefore checks each operation's moment against its
@@ -101,13 +109,24 @@ pub struct Report {
 /// the budget only bounds the hopeless search of a broken one.
 pub const STATES_PER_KEY: usize = 1_000_000;
 
-/// Checks a whole history, key by key.
+/// Checks a whole history, key by key, the sidecars' clock being the
+/// recording clock (one sidecar on sled).
 pub fn check(history: &[Operation]) -> Report {
     check_within(history, STATES_PER_KEY)
 }
 
 /// [`check`] with another budget of states per key.
 pub fn check_within(history: &[Operation], states_per_key: usize) -> Report {
+    check_with(history, states_per_key, 0)
+}
+
+/// [`check`] for sidecars whose clocks may be up to `clock_tolerance_ms` off
+/// the recording clock (the shared stores: `--max-clock-uncertainty`).
+pub fn check_tolerating(history: &[Operation], clock_tolerance_ms: u64) -> Report {
+    check_with(history, STATES_PER_KEY, clock_tolerance_ms)
+}
+
+fn check_with(history: &[Operation], states_per_key: usize, clock_tolerance_ms: u64) -> Report {
     let mut by_key: BTreeMap<u32, Vec<&Operation>> = BTreeMap::new();
     for operation in history {
         by_key.entry(operation.key).or_default().push(operation);
@@ -123,7 +142,7 @@ pub fn check_within(history: &[Operation], states_per_key: usize) -> Report {
     };
     for (key, mut operations) in by_key {
         operations.sort_by_key(|op| (op.invoked_ms, op.completed_ms));
-        let (outcome, explored) = check_key(&operations, states_per_key);
+        let (outcome, explored) = check_key(&operations, states_per_key, clock_tolerance_ms);
         report.states_explored += explored;
         if let Err((longest, undecided)) = outcome {
             report.violations.push(Violation {
@@ -139,7 +158,11 @@ pub fn check_within(history: &[Operation], states_per_key: usize) -> Report {
 
 /// One key: Ok, or Err((the most operations any order placed, whether the
 /// budget ran out)); and the states visited.
-fn check_key(operations: &[&Operation], budget: usize) -> (Result<(), (usize, bool)>, usize) {
+fn check_key(
+    operations: &[&Operation],
+    budget: usize,
+    clock_tolerance_ms: u64,
+) -> (Result<(), (usize, bool)>, usize) {
     let count = operations.len();
     let words = count.div_ceil(64);
     // The placed set is remembered by a 128-bit hash: memory stays small,
@@ -191,7 +214,7 @@ fn check_key(operations: &[&Operation], budget: usize) -> (Result<(), (usize, bo
             if is_placed(placed, index) {
                 continue;
             }
-            let models = step(model, operation);
+            let models = step(model, operation, clock_tolerance_ms);
             // A read (a lookup, a refusal, a duplicate) that leaves the
             // model exactly as it is can go now without loss: any order
             // placing it later works with it moved here. No branching.
@@ -270,8 +293,13 @@ fn reads_only(operation: &Operation) -> bool {
 
 /// The models an operation can leave behind, from `model`, given what it
 /// answered; empty when the answer is impossible here.
-fn step(model: &Model, operation: &Operation) -> Vec<Model> {
-    let (from, to) = (operation.invoked_ms, operation.completed_ms);
+fn step(model: &Model, operation: &Operation, clock_tolerance_ms: u64) -> Vec<Model> {
+    // The moment on the sidecar's clock: within the call, give or take how
+    // far that clock may be off ours.
+    let (from, to) = (
+        operation.invoked_ms.saturating_sub(clock_tolerance_ms),
+        operation.completed_ms.saturating_add(clock_tolerance_ms),
+    );
     match (&operation.call, &operation.answer) {
         (call, Answer::Unknown) => {
             // It happened (at some moment in [from, to]) or it did not.

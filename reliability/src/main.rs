@@ -131,6 +131,23 @@ struct LincheckArgs {
     /// Seed of the clients' choices (random when unset).
     #[arg(long)]
     seed: Option<u64>,
+    /// Shared stores: one sidecar per entry, comma-separated, its wall clock
+    /// set off by that much with libfaketime (e.g. `+0s,+40s,-25s`: three
+    /// sidecars whose clocks disagree by more than any lease). Clients are
+    /// spread over them.
+    #[arg(long, value_delimiter = ',')]
+    clock_skews: Vec<String>,
+    /// Shared stores: the sidecars' --max-clock-uncertainty, and how far the
+    /// checker lets a sidecar's moment lie outside its call (their clock is
+    /// the store's as measured, ours the machine's).
+    #[arg(long, default_value = "10ms")]
+    clock_uncertainty: humantime::Duration,
+    /// libfaketime, for --clock-skews (Debian's `faketime` package).
+    #[arg(
+        long,
+        default_value = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"
+    )]
+    libfaketime: PathBuf,
     /// Write the operations of keys found not linearizable here (one per
     /// line, Rust debug form) for a look at what happened.
     #[arg(long)]
@@ -313,6 +330,19 @@ async fn lincheck(mut args: LincheckArgs) -> ExitCode {
         args.duration = std::time::Duration::from_secs(8).into();
         args.kills = 1;
     }
+    if !args.clock_skews.is_empty() {
+        if matches!(args.store, StoreKind::Sled) {
+            eprintln!("dedupd-reliability: --clock-skews needs a shared store (--store postgres or redis)");
+            return ExitCode::FAILURE;
+        }
+        if !args.libfaketime.exists() {
+            eprintln!(
+                "dedupd-reliability: --clock-skews needs libfaketime at {} (apt-get install faketime)",
+                args.libfaketime.display()
+            );
+            return ExitCode::FAILURE;
+        }
+    }
     let data = match tempfile_dir("lincheck") {
         Ok(dir) => dir,
         Err(error) => {
@@ -342,6 +372,17 @@ async fn lincheck(mut args: LincheckArgs) -> ExitCode {
         ],
     };
     store_flags.extend(["--sync".to_owned(), args.sync.clone()]);
+    let clock_tolerance_ms = match args.store {
+        StoreKind::Sled => 0,
+        StoreKind::Postgres | StoreKind::Redis => {
+            store_flags.extend([
+                "--max-clock-uncertainty".to_owned(),
+                args.clock_uncertainty.to_string(),
+            ]);
+            u64::try_from(std::time::Duration::from(args.clock_uncertainty).as_millis())
+                .unwrap_or(u64::MAX)
+        }
+    };
     let config = runner::RunConfig {
         binary: args.dedupd.clone(),
         store_flags,
@@ -354,6 +395,8 @@ async fn lincheck(mut args: LincheckArgs) -> ExitCode {
         kills: args.kills,
         lease_ms: (50, 400),
         seed,
+        clock_skews: args.clock_skews.clone(),
+        libfaketime: Some(args.libfaketime.clone()),
     };
     let run = runner::run(config).await;
     let _ = std::fs::remove_dir_all(&data);
@@ -366,11 +409,14 @@ async fn lincheck(mut args: LincheckArgs) -> ExitCode {
         }
     };
     let checking = Instant::now();
-    let report = checker::check(&run.history);
+    let report = checker::check_tolerating(&run.history, clock_tolerance_ms);
     let generations = runner::generations(run.elapsed, args.generation.into());
     let errors_outside = run.errors_outside_kill_windows();
     let figures = serde_json::json!({
         "store": format!("{:?}", args.store).to_lowercase(),
+        "sidecars": args.clock_skews.len().max(1),
+        "clock_skews": args.clock_skews,
+        "clock_tolerance_ms": clock_tolerance_ms,
         "seed": seed,
         "clients": args.clients,
         "keys": args.keys,

@@ -91,6 +91,13 @@ pub struct RunConfig {
     pub lease_ms: (u64, u64),
     /// Seed of the clients' choices.
     pub seed: u64,
+    /// One sidecar per entry over the one shared store, each with its wall
+    /// clock set off by that much by libfaketime (`+40s`, `-25s`, `+0s`);
+    /// empty: one sidecar with the machine's clock. Clients are spread over
+    /// the sidecars; the SIGKILLs take them in turn.
+    pub clock_skews: Vec<String>,
+    /// libfaketime's `libfaketimeMT.so.1`, for `clock_skews`.
+    pub libfaketime: Option<PathBuf>,
 }
 
 /// A recorded run.
@@ -210,10 +217,24 @@ struct Sidecar {
     child: Child,
 }
 
-async fn start(config: &RunConfig, port: u16) -> Result<Sidecar, String> {
-    let ready = config.data_dir.join("ready.json");
+/// Starts sidecar number `index` (its own files, its clock skew if any).
+async fn start(config: &RunConfig, index: usize, port: u16) -> Result<Sidecar, String> {
+    let home = config.data_dir.join(format!("sidecar-{index}"));
+    std::fs::create_dir_all(&home).map_err(|e| e.to_string())?;
+    let ready = home.join("ready.json");
     let _ = std::fs::remove_file(&ready);
-    let child = Command::new(&config.binary)
+    let mut command = Command::new(&config.binary);
+    if let Some(skew) = config.clock_skews.get(index) {
+        let library = config
+            .libfaketime
+            .as_ref()
+            .ok_or("--clock-skews needs libfaketime (apt-get install faketime)")?;
+        command
+            .env("LD_PRELOAD", library)
+            .env("FAKETIME", skew)
+            .env("DONT_FAKE_MONOTONIC", "1");
+    }
+    let child = command
         .args([
             "--listen",
             &format!("127.0.0.1:{port}"),
@@ -222,7 +243,7 @@ async fn start(config: &RunConfig, port: u16) -> Result<Sidecar, String> {
         ])
         .args(["--default-retention", RETENTION, "--log", "warn"])
         .arg("--data-dir")
-        .arg(config.data_dir.join("data"))
+        .arg(home.join("data"))
         .arg("--ready-file")
         .arg(&ready)
         .args(&config.store_flags)
@@ -248,11 +269,17 @@ async fn start(config: &RunConfig, port: u16) -> Result<Sidecar, String> {
 /// Runs the clients and the killer; returns the history.
 pub async fn run(config: RunConfig) -> Result<Run, String> {
     std::fs::create_dir_all(&config.data_dir).map_err(|e| e.to_string())?;
-    let port = {
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
-        probe.local_addr().map_err(|e| e.to_string())?.port()
-    };
-    let mut sidecar = start(&config, port).await?;
+    let count = config.clock_skews.len().max(1);
+    let mut ports = Vec::with_capacity(count);
+    let mut sidecars = Vec::with_capacity(count);
+    for index in 0..count {
+        let port = {
+            let probe = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+            probe.local_addr().map_err(|e| e.to_string())?.port()
+        };
+        sidecars.push(start(&config, index, port).await?);
+        ports.push(port);
+    }
     let history = Arc::new(Mutex::new(Vec::new()));
     let errors = Arc::new(Mutex::new(Vec::new()));
     let recorded = Arc::new(AtomicUsize::new(0));
@@ -266,6 +293,7 @@ pub async fn run(config: RunConfig) -> Result<Run, String> {
             Arc::clone(&recorded),
             config.clone(),
         );
+        let port = ports[client % count];
         clients.spawn(async move {
             let channel = Channel::from_shared(format!("http://127.0.0.1:{port}"))
                 .expect("a valid URI")
@@ -310,13 +338,15 @@ pub async fn run(config: RunConfig) -> Result<Run, String> {
                 .mul_f64(kill as f64 / (config.kills + 1) as f64);
         tokio::time::sleep_until(at.into()).await;
         let window_from = now_floor_ms();
+        let victim = (kill - 1) % count;
+        let sidecar = &mut sidecars[victim];
         sidecar
             .child
             .start_kill()
             .map_err(|e| format!("SIGKILL: {e}"))?;
         let _ = sidecar.child.wait().await;
         let down = Instant::now();
-        sidecar = start(&config, port).await?;
+        *sidecar = start(&config, victim, ports[victim]).await?;
         downtime += down.elapsed();
         kill_windows.push((window_from, now_ceil_ms() + KILL_SETTLE.as_millis() as u64));
         kills += 1;
@@ -325,7 +355,7 @@ pub async fn run(config: RunConfig) -> Result<Run, String> {
         result.map_err(|e| format!("a client panicked: {e}"))??;
     }
     let elapsed = started.elapsed();
-    drop(sidecar);
+    drop(sidecars);
     let history = std::mem::take(&mut *history.lock().expect("history lock"));
     let errors = std::mem::take(&mut *errors.lock().expect("errors lock"));
     Ok(Run {

@@ -449,6 +449,8 @@ async fn a_real_history_on_sled_with_a_kill_is_linearizable() {
         kills: 1,
         lease_ms: (50, 400),
         seed: rand::random(),
+        clock_skews: Vec::new(),
+        libfaketime: None,
     })
     .await
     .expect("the run");
