@@ -42,7 +42,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "maxStreamsPerConnection" "DEDUPD_MAX_STREAMS_PER_CONNECTION" "maxConnectionAge" "DEDUPD_MAX_CONNECTION_AGE"
   "diskReserveMb" "DEDUPD_DISK_RESERVE_MB" "storeStallTimeout" "DEDUPD_STORE_STALL_TIMEOUT"
   "storePoolSize" "DEDUPD_STORE_POOL_SIZE" "storeTimeout" "DEDUPD_STORE_TIMEOUT"
-  "localTierMb" "DEDUPD_LOCAL_TIER_MB" "localTierMaxAge" "DEDUPD_LOCAL_TIER_MAX_AGE" }}
+  "localTierMb" "DEDUPD_LOCAL_TIER_MB" "localTierMaxAge" "DEDUPD_LOCAL_TIER_MAX_AGE"
+  "maxClockUncertainty" "DEDUPD_MAX_CLOCK_UNCERTAINTY" "storeReplicas" "DEDUPD_STORE_REPLICAS"
+  "allowRedisEviction" "DEDUPD_ALLOW_REDIS_EVICTION" }}
 {{- range $key, $value := .Values.config }}
 {{- if not (hasKey $names $key) }}
 {{- fail (printf "config.%s is not a dedupd setting" $key) }}
