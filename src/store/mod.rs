@@ -4,15 +4,19 @@
 //!
 //! The rules of protocol §2 (docs/protocol.md) live in [`crate::machine`];
 //! a store only runs the closure the engine gives it, atomically, and
-//! applies the [`Change`] it returns: sled by compare-and-swap, PostgreSQL by
-//! an insert for a fresh key or an update conditional on the row's revision,
-//! Redis by a script that writes only if the record is what was read. In
+//! applies the [`Change`] it returns. The loop that does so is written once,
+//! in [`optimistic`] (with its rules for trusting a belief about the
+//! record); each store gives it a read and a conditional write: sled by
+//! compare-and-swap, PostgreSQL by an insert for a fresh key or an update
+//! conditional on the row's revision, Redis by a script that writes only if
+//! the record is what was read. In
 //! front of a shared store, [`tiered::Tiered`] answers duplicates of keys
 //! this sidecar has seen committed from its own local tier.
 
 pub mod codec;
 mod disk;
 pub mod memory;
+pub mod optimistic;
 pub mod postgres;
 pub mod redis;
 pub mod shared;

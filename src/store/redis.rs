@@ -64,13 +64,11 @@ use crate::{
     time_policy::TimeSource,
 };
 
+use super::optimistic::{self, Conditional, Swapped, Versioned, PROVISIONAL};
+
 /// How often the eviction policy is read again while running (an operator
 /// or a managed service's parameter group can change it under us).
 const EVICTION_CHECK_EVERY: Duration = Duration::from_secs(5);
-
-/// A fencing token no claim is ever given: the machine's first run, before
-/// the script has drawn the real one.
-const PROVISIONAL: FencingToken = FencingToken(0);
 
 /// Writes a record if it still is what the caller read; otherwise answers
 /// with what it is. Draws the fencing token when asked to.
@@ -162,31 +160,36 @@ pub fn check_url(url: &str) -> Result<(), String> {
         .map_err(|error| format!("{shown}: {error}"))
 }
 
-/// The record as read from Redis: what a conditional write must find.
-#[derive(Clone)]
-struct Stored {
+/// A record's hash as it is in Redis: what a conditional write must find.
+#[derive(Debug, Clone)]
+pub struct Held {
+    /// The encoded record, its fencing token zeroed (`r`).
     bytes: Vec<u8>,
+    /// Its fencing token (`f`).
     token: String,
-    record: Record,
 }
 
-impl Stored {
-    fn decode(bytes: Vec<u8>, token: String) -> Result<Option<Stored>, Error> {
-        if token.is_empty() {
-            return Ok(None);
-        }
-        let mut record = codec::decode_record(&bytes)?;
-        record.fencing_token = FencingToken(
-            token
-                .parse()
-                .map_err(|_| Error::Corrupt(format!("fencing token {token:?}")))?,
-        );
-        Ok(Some(Stored {
-            bytes,
-            token,
-            record,
-        }))
+/// A record as read from Redis, with its hash's fields.
+type Stored = Versioned<Held>;
+
+/// The record in a hash's fields (`None` for a hash that is not there).
+fn decode_stored(bytes: Vec<u8>, token: String) -> Result<Option<Stored>, Error> {
+    if token.is_empty() {
+        return Ok(None);
     }
+    let mut record = codec::decode_record(&bytes)?;
+    record.fencing_token = parse_token(&token)?;
+    Ok(Some(Versioned {
+        record,
+        version: Held { bytes, token },
+    }))
+}
+
+fn parse_token(token: &str) -> Result<FencingToken, Error> {
+    token
+        .parse()
+        .map(FencingToken)
+        .map_err(|_| Error::Corrupt(format!("fencing token {token:?}")))
 }
 
 /// What the update script is asked to write.
@@ -419,7 +422,7 @@ impl RedisStore {
                 async move { read.query_async(&mut connection).await }
             })
             .await?;
-        Stored::decode(bytes.unwrap_or_default(), token.unwrap_or_default())
+        decode_stored(bytes.unwrap_or_default(), token.unwrap_or_default())
     }
 
     /// Makes `write` if the record is still `believed`.
@@ -432,7 +435,9 @@ impl RedisStore {
     ) -> Result<Attempt<Swap>, Error> {
         let mut invocation = self.inner.update.key(redis_key);
         match believed {
-            Some(stored) => invocation.arg(&stored.bytes[..]).arg(&stored.token),
+            Some(stored) => invocation
+                .arg(&stored.version.bytes[..])
+                .arg(&stored.version.token),
             None => invocation.arg("").arg(""),
         };
         match write {
@@ -465,7 +470,7 @@ impl RedisStore {
                     .map_err(|_| Error::Corrupt("fencing token is not text".into()))?,
             )
         } else {
-            Swap::Conflict(Stored::decode(bytes, token)?.map(Box::new))
+            Swap::Conflict(decode_stored(bytes, token)?.map(Box::new))
         };
         Ok(Attempt {
             answer,
@@ -654,8 +659,10 @@ impl RedisStore {
 ///   deleted.
 fn is_our_write(write: &Write, found: Option<&Stored>, draw_token: bool, retried: bool) -> bool {
     match (write, found) {
-        (Write::Put { bytes, token, .. }, Some(found)) if found.bytes == *bytes => {
-            draw_token || (retried && token.is_some_and(|token| token.0.to_string() == found.token))
+        (Write::Put { bytes, token, .. }, Some(found)) if found.version.bytes == *bytes => {
+            draw_token
+                || (retried
+                    && token.is_some_and(|token| token.0.to_string() == found.version.token))
         }
         (Write::Delete, None) => retried,
         _ => false,
@@ -688,85 +695,21 @@ fn decode_mark(text: &str) -> Result<Option<SequenceMark>, Error> {
 }
 
 impl Store for RedisStore {
-    async fn update<T, F>(&self, key: &Key, mut apply: F) -> Result<T, Error>
+    async fn update<T, F>(&self, key: &Key, apply: F) -> Result<T, Error>
     where
         T: Send,
         F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
     {
         self.not_evicting().await?;
-        let redis_key = self.record_key(key);
         // Start from a belief (our own last write, or "absent" for a key we
         // never wrote); the script checks it and answers with the truth if
-        // it was wrong. An answer that changes nothing needs the truth.
-        let mut believed = self.inner.recent.recall(key);
-        let mut verified = false;
-        loop {
-            let record = believed.as_ref().map(|stored| &stored.record);
-            let mut draw_token = false;
-            let (change, answer) = apply(record, &mut || {
-                draw_token = true;
-                Ok(PROVISIONAL)
-            })?;
-            let write = match &change {
-                Change::Keep => None,
-                Change::Delete if believed.is_none() => None,
-                Change::Delete => Some(Write::Delete),
-                Change::Put(next) => Some(Write::Put {
-                    bytes: encode_without_token(next),
-                    token: (!draw_token).then_some(next.fencing_token),
-                    retain_until: next.retain_until,
-                }),
-            };
-            let Some(write) = write else {
-                if verified {
-                    return Ok(answer);
-                }
-                believed = self.read(&redis_key).await?;
-                verified = true;
-                continue;
-            };
-            let swapped = self
-                .swap(key, &redis_key, believed.as_ref(), &write)
-                .await?;
-            let token = match swapped.answer {
-                Swap::Done(token) => token,
-                // Our own write, made by an attempt whose answer was lost.
-                Swap::Conflict(current)
-                    if is_our_write(&write, current.as_deref(), draw_token, swapped.retried) =>
-                {
-                    current.map(|stored| stored.token).unwrap_or_default()
-                }
-                Swap::Conflict(current) => {
-                    believed = current.map(|stored| *stored);
-                    verified = true;
-                    continue;
-                }
-            };
-            let (change, answer) = if draw_token {
-                let drawn = FencingToken(
-                    token
-                        .parse()
-                        .map_err(|_| Error::Corrupt(format!("fencing token {token:?}")))?,
-                );
-                apply(record, &mut || Ok(drawn))?
-            } else {
-                (change, answer)
-            };
-            // The bytes written hold no token, so they are those of the
-            // record re-run with the drawn one too.
-            match (change, write) {
-                (Change::Put(record), Write::Put { bytes, .. }) => self.inner.recent.remember(
-                    key,
-                    Stored {
-                        bytes,
-                        token: record.fencing_token.0.to_string(),
-                        record,
-                    },
-                ),
-                _ => self.inner.recent.forget(key),
-            }
-            return Ok(answer);
+        // it was wrong.
+        let remembered = self.inner.recent.recall(key);
+        let (answer, written) = optimistic::update(self, key, remembered, apply).await?;
+        if let Some(written) = written {
+            self.inner.recent.remember(key, written);
         }
+        Ok(answer)
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
@@ -858,6 +801,73 @@ impl Store for RedisStore {
 
     async fn close(&self) -> Result<(), Error> {
         Ok(())
+    }
+}
+
+impl Conditional for RedisStore {
+    type Version = Held;
+
+    async fn read(&self, key: &Key) -> Result<Option<Stored>, Error> {
+        RedisStore::read(self, &self.record_key(key)).await
+    }
+
+    async fn write_if(
+        &self,
+        key: &Key,
+        believed: Option<&Stored>,
+        change: &Change,
+        draw_token: bool,
+    ) -> Result<Swapped<Held>, Error> {
+        let write = match change {
+            Change::Keep => {
+                return Ok(Swapped::Done {
+                    token: None,
+                    version: None,
+                })
+            }
+            Change::Delete if believed.is_none() => {
+                return Ok(Swapped::Done {
+                    token: None,
+                    version: None,
+                })
+            }
+            Change::Delete => Write::Delete,
+            Change::Put(next) => Write::Put {
+                bytes: encode_without_token(next),
+                token: (!draw_token).then_some(next.fencing_token),
+                retain_until: next.retain_until,
+            },
+        };
+        let swapped = self
+            .swap(key, &self.record_key(key), believed, &write)
+            .await?;
+        let token = match swapped.answer {
+            Swap::Done(token) => token,
+            // Our own write, made by an attempt whose answer was lost.
+            Swap::Conflict(current)
+                if is_our_write(&write, current.as_deref(), draw_token, swapped.retried) =>
+            {
+                current
+                    .map(|stored| stored.version.token)
+                    .unwrap_or_default()
+            }
+            Swap::Conflict(current) => return Ok(Swapped::Conflict(current)),
+        };
+        let drawn = if draw_token {
+            Some(parse_token(&token)?)
+        } else {
+            None
+        };
+        // The bytes written hold no token, so they are those of the record
+        // re-run with the drawn one too.
+        let version = match write {
+            Write::Put { bytes, .. } => Some(Held { bytes, token }),
+            Write::Delete => None,
+        };
+        Ok(Swapped::Done {
+            token: drawn,
+            version,
+        })
     }
 }
 
@@ -959,8 +969,10 @@ mod tests {
     #[test]
     fn a_retried_write_that_landed_is_recognised_as_ours() {
         let record = |bytes: &[u8], token: &str| Stored {
-            bytes: bytes.to_vec(),
-            token: token.to_owned(),
+            version: Held {
+                bytes: bytes.to_vec(),
+                token: token.to_owned(),
+            },
             record: Record {
                 state: crate::domain::RecordState::Committed,
                 lease_token: crate::domain::LeaseToken(7),

@@ -48,6 +48,7 @@ use tokio::sync::{oneshot, watch};
 use super::{
     codec::{decode_mark, decode_record, encode_mark, encode_record, record_retain_until},
     disk::{DiskSpace, WriteKind},
+    optimistic::{self, with_token, Conditional, Swapped, Versioned},
     stall::{busy, watch_syncs, Busy, StallWatch, PROBE_AFTER},
     IssueFencing, ReapReport, Store, StoreObserver, StoreStats,
 };
@@ -407,6 +408,66 @@ impl SledStore {
     }
 }
 
+impl Conditional for SledStore {
+    type Version = IVec;
+
+    async fn read(&self, key: &Key) -> Result<Option<Versioned<IVec>>, Error> {
+        let Some(bytes) = self.inner.records.get(key.to_bytes())? else {
+            return Ok(None);
+        };
+        Ok(Some(Versioned {
+            record: decode_record(&bytes)?,
+            version: bytes,
+        }))
+    }
+
+    fn issue_now(&self) -> Option<Result<FencingToken, Error>> {
+        Some(self.issue_fencing())
+    }
+
+    async fn write_if(
+        &self,
+        key: &Key,
+        believed: Option<&Versioned<IVec>>,
+        change: &Change,
+        draw_token: bool,
+    ) -> Result<Swapped<IVec>, Error> {
+        let (replacement, token) = match change {
+            Change::Put(record) if draw_token => {
+                let token = self.issue_fencing()?;
+                (Some(encode_record(&with_token(record, token))), Some(token))
+            }
+            Change::Put(record) => (Some(encode_record(record)), None),
+            Change::Delete => (None, None),
+            Change::Keep => {
+                return Ok(Swapped::Done {
+                    token: None,
+                    version: None,
+                })
+            }
+        };
+        let inner = &self.inner;
+        let current = believed.map(|stored| &stored.version[..]);
+        match inner.swap(&inner.records, &key.to_bytes(), current, replacement)? {
+            // Nothing is remembered between calls here: reads are local.
+            Ok(()) => Ok(Swapped::Done {
+                token,
+                version: None,
+            }),
+            Err(found) => Ok(Swapped::Conflict(
+                found
+                    .map(|bytes| {
+                        Ok::<_, Error>(Box::new(Versioned {
+                            record: decode_record(&bytes)?,
+                            version: bytes,
+                        }))
+                    })
+                    .transpose()?,
+            )),
+        }
+    }
+}
+
 impl Inner {
     /// Replaces `current` by `replacement` under `key` in `tree` with one
     /// compare-and-swap; on a conflict, the value found instead (nothing
@@ -507,51 +568,21 @@ impl Inner {
 }
 
 impl Store for SledStore {
-    async fn update<T, F>(&self, key: &Key, mut apply: F) -> Result<T, Error>
+    async fn update<T, F>(&self, key: &Key, apply: F) -> Result<T, Error>
     where
         T: Send,
         F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
     {
+        use futures_util::FutureExt;
+
         let _busy = self.inner.enter()?;
-        let inner = &self.inner;
-        let key = key.to_bytes();
-        let mut issue = || self.issue_fencing();
         // Assume the key absent (see the module docs); a failed swap tells
-        // the truth.
-        let mut current_bytes: Option<IVec> = None;
-        let mut verified = false;
-        loop {
-            let current = current_bytes.as_deref().map(decode_record).transpose()?;
-            let (change, answer) = apply(current.as_ref(), &mut issue)?;
-            let replacement = match change {
-                Change::Keep if verified => return Ok(answer),
-                Change::Delete if current_bytes.is_none() && verified => return Ok(answer),
-                Change::Keep | Change::Delete if current_bytes.is_none() => {
-                    current_bytes = inner.records.get(&key)?;
-                    verified = true;
-                    continue;
-                }
-                Change::Keep => return Ok(answer),
-                Change::Put(record) => Some(encode_record(&record)),
-                Change::Delete => None,
-            };
-            match inner.swap(&inner.records, &key, current_bytes.as_deref(), replacement) {
-                Ok(Ok(())) => return Ok(answer),
-                Ok(Err(found)) => {
-                    current_bytes = found;
-                    verified = true;
-                }
-                // A write refused (the disk reserve) on an assumption: the
-                // key may exist and the call need no write (a DUPLICATE on
-                // a full disk). Read, and decide on the truth. Any other
-                // error (a failed store) ends the call: sled is left alone.
-                Err(Error::DiskFull(_)) if !verified => {
-                    current_bytes = inner.records.get(&key)?;
-                    verified = true;
-                }
-                Err(refused) => return Err(refused),
-            }
-        }
+        // the truth. sled's read and swap never wait, so the driver is done
+        // in one poll, on this thread (the busy stamp is per thread).
+        let updated = optimistic::update(self, key, None, apply).now_or_never();
+        Ok(updated
+            .ok_or_else(|| Error::Store("a sled update waited, which it cannot".into()))??
+            .0)
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {

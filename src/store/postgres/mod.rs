@@ -25,7 +25,8 @@
 //! and once more with the token the insert drew (it is a pure function, so
 //! both runs agree but for the token). Everything else reads the row, runs
 //! the machine, and writes back `WHERE revision = $read`, retrying when
-//! another sidecar got there first. Each statement commits on its own, so
+//! another sidecar got there first (the loop is [`super::optimistic`]'s;
+//! this file gives it one connection and one deadline per call). Each statement commits on its own, so
 //! an answer leaves only once PostgreSQL has made its change durable.
 
 mod config;
@@ -57,6 +58,7 @@ use self::{
     rows::{at, fencing_from_db, millis, record_from_row, RecordValues, COLUMNS},
 };
 use super::{
+    optimistic::{self, with_token, Conditional, Swapped, Versioned},
     shared::{deletion_message, Reachability, RecentWrites},
     IssueFencing, ReapReport, Store, StoreStats,
 };
@@ -67,10 +69,6 @@ use crate::{
     machine::{Change, SequenceMark},
     time_policy::TimeSource,
 };
-
-/// A fencing token no claim is ever given: the machine's first run for a
-/// fresh key, before the insert has drawn the real one.
-const PROVISIONAL: FencingToken = FencingToken(0);
 
 /// How long a size figure for `/metrics` is reused: counting rows is a scan,
 /// and every pod's every scrape would run one on the shared database.
@@ -90,7 +88,7 @@ struct Inner {
     reachability: Reachability,
     /// Rows this sidecar wrote last, with their revision: a Commit after our
     /// own Claim can write back `WHERE revision = $cached` at once.
-    recent: RecentWrites<(Record, i64)>,
+    recent: RecentWrites<Versioned<i64>>,
     /// How to open the dedicated connection the deletion feed listens on.
     listen: Listen,
     /// Longest one call may take, from taking a connection to the last
@@ -394,146 +392,26 @@ fn db_error(error: tokio_postgres::Error) -> Error {
 }
 
 impl Store for PostgresStore {
-    async fn update<T, F>(&self, key: &Key, mut apply: F) -> Result<T, Error>
+    async fn update<T, F>(&self, key: &Key, apply: F) -> Result<T, Error>
     where
         T: Send,
         F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
     {
         self.ready()?;
-        let client = self.client().await?;
-        let schema = &self.inner.schema;
-        let mut remembered = self.inner.recent.recall(key);
-        // A fresh key (as far as this sidecar knows): one statement, the
-        // fencing token drawn by it.
-        let fresh = match remembered {
-            None => apply(None, &mut || Ok(PROVISIONAL))?.0,
-            Some(_) => Change::Keep,
+        // One connection and one deadline for the whole call.
+        let call = Call {
+            store: self,
+            client: self.client().await?,
         };
-        if let Change::Put(record) = fresh {
-            let values = RecordValues::new(&record);
-            let (namespace, correlation_id) = (key.namespace(), key.correlation_id());
-            let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
-                vec![&namespace, &correlation_id];
-            params.extend(values.params());
-            // The fencing token (third column) is drawn by nextval instead.
-            params.remove(4);
-            let sql = format!(
-                    "INSERT INTO {schema}.processed_events (namespace, correlation_id, {COLUMNS}, revision)
-                     VALUES ($1, $2, $3, $4, nextval('{schema}.fencing_tokens'), $5, $6, $7, $8, $9, $10,
-                             $11, $12, $13, $14, $15, $16, $17, $18, $19, nextval('{schema}.revisions'))
-                     ON CONFLICT (namespace, correlation_id) DO NOTHING
-                     RETURNING fencing_token, revision"
-                );
-            if let Some(row) = self.query_opt(&client, &sql, &params).await? {
-                let token = fencing_from_db(row.get(0));
-                let (change, answer) = apply(None, &mut || Ok(token))?;
-                if let Change::Put(record) = change {
-                    self.inner.recent.remember(key, (record, row.get(1)));
-                }
-                return Ok(answer);
-            }
+        // Our own last write of the key, if any: a Commit after our Claim
+        // writes back `WHERE revision = $remembered` at once. Otherwise the
+        // key is assumed fresh: a Claim is one INSERT.
+        let remembered = self.inner.recent.recall(key);
+        let (answer, written) = optimistic::update(&call, key, remembered, apply).await?;
+        if let Some(written) = written {
+            self.inner.recent.remember(key, written);
         }
-        // The key exists (or the change was not an insert): read, decide,
-        // write back only if nobody changed it meanwhile.
-        loop {
-            let guessed = remembered.take();
-            let from_memory = guessed.is_some();
-            let current = match guessed {
-                Some(row) => Some(row),
-                None => self.read(&client, key).await?,
-            };
-            let (record, revision) = match &current {
-                Some((record, revision)) => (Some(record), *revision),
-                None => (None, 0),
-            };
-            let mut wants_token = false;
-            let (change, answer) = apply(record, &mut || {
-                wants_token = true;
-                Ok(PROVISIONAL)
-            })?;
-            let (change, answer) = if wants_token {
-                let token = self.next_fencing(&client, record).await?;
-                apply(record, &mut || Ok(token))?
-            } else {
-                (change, answer)
-            };
-            if from_memory && matches!(change, Change::Keep) {
-                // An answer that changes nothing must come from the row as
-                // it is, not as this sidecar last wrote it.
-                continue;
-            }
-            let written = match (&change, current.is_some()) {
-                (Change::Keep, _) | (Change::Delete, false) => return Ok(answer),
-                (Change::Put(next), true) => {
-                    let values = RecordValues::new(next);
-                    let (namespace, correlation_id) = (key.namespace(), key.correlation_id());
-                    let mut params = values.params().to_vec();
-                    params.push(&namespace);
-                    params.push(&correlation_id);
-                    params.push(&revision);
-                    let sql = format!(
-                        "UPDATE {schema}.processed_events SET
-                               (state, lease_token, fencing_token, lease_expires_at_ms, attempt,
-                                event_type, consumer_version, owner, payload_fingerprint,
-                                claimed_at_ms, committed_at_ms, retain_until_ms, retention_ms,
-                                response, ordering_key, sequence, request_id, recovered, revision)
-                             = ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
-                                $16, $17, $18, nextval('{schema}.revisions'))
-                             WHERE namespace = $19 AND correlation_id = $20 AND revision = $21
-                             RETURNING revision"
-                    );
-                    self.query_opt(&client, &sql, &params)
-                        .await?
-                        .map(|row| row.get::<_, i64>(0))
-                }
-                (Change::Put(next), false) => {
-                    let values = RecordValues::new(next);
-                    let (namespace, correlation_id) = (key.namespace(), key.correlation_id());
-                    let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
-                        vec![&namespace, &correlation_id];
-                    params.extend(values.params());
-                    let sql = format!(
-                            "INSERT INTO {schema}.processed_events (namespace, correlation_id, {COLUMNS}, revision)
-                             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
-                                     $16, $17, $18, $19, $20, nextval('{schema}.revisions'))
-                             ON CONFLICT (namespace, correlation_id) DO NOTHING
-                             RETURNING revision"
-                        );
-                    self.query_opt(&client, &sql, &params)
-                        .await?
-                        .map(|row| row.get::<_, i64>(0))
-                }
-                (Change::Delete, true) => {
-                    // The notice goes out with the deletion's commit, or not
-                    // at all: other sidecars' local tiers drop the key.
-                    let sql = format!(
-                        "WITH deleted AS (
-                           DELETE FROM {schema}.processed_events
-                            WHERE namespace = $1 AND correlation_id = $2 AND revision = $3
-                           RETURNING 1)
-                         SELECT pg_notify('{DELETION_CHANNEL}', $4) FROM deleted"
-                    );
-                    let notice = format!("{schema} {}", deletion_message(key));
-                    self.query_opt(
-                        &client,
-                        &sql,
-                        &[&key.namespace(), &key.correlation_id(), &revision, &notice],
-                    )
-                    .await?
-                    .map(|_| 0)
-                }
-            };
-            if let Some(new_revision) = written {
-                match change {
-                    Change::Put(record) => self.inner.recent.remember(key, (record, new_revision)),
-                    Change::Delete | Change::Keep => self.inner.recent.forget(key),
-                }
-                return Ok(answer);
-            }
-            // Another sidecar changed the row between our read (or memory)
-            // and our write: read it again.
-            self.inner.recent.forget(key);
-        }
+        Ok(answer)
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
@@ -668,6 +546,136 @@ impl Store for PostgresStore {
     async fn close(&self) -> Result<(), Error> {
         self.inner.pool.close();
         Ok(())
+    }
+}
+
+/// One call's connection to PostgreSQL, for the optimistic driver.
+struct Call<'a> {
+    store: &'a PostgresStore,
+    client: Conn,
+}
+
+impl Conditional for Call<'_> {
+    /// The row's revision (drawn from the `revisions` sequence: it never
+    /// repeats, even for a key deleted and claimed again).
+    type Version = i64;
+
+    async fn read(&self, key: &Key) -> Result<Option<Versioned<i64>>, Error> {
+        Ok(self
+            .store
+            .read(&self.client, key)
+            .await?
+            .map(|(record, revision)| Versioned {
+                record,
+                version: revision,
+            }))
+    }
+
+    async fn write_if(
+        &self,
+        key: &Key,
+        believed: Option<&Versioned<i64>>,
+        change: &Change,
+        draw_token: bool,
+    ) -> Result<Swapped<i64>, Error> {
+        let (store, client) = (self.store, &self.client);
+        let schema = &store.inner.schema;
+        let (namespace, correlation_id) = (key.namespace(), key.correlation_id());
+        let written = match (change, believed) {
+            (Change::Keep, _) | (Change::Delete, None) => {
+                return Ok(Swapped::Done {
+                    token: None,
+                    version: None,
+                })
+            }
+            // A fresh key: one statement; a claim's fencing token drawn by
+            // it (nextval in the same INSERT).
+            (Change::Put(record), None) => {
+                let values = RecordValues::new(record);
+                let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
+                    vec![&namespace, &correlation_id];
+                params.extend(values.params());
+                let sql = if draw_token {
+                    // The fencing token (third column) is drawn by nextval.
+                    params.remove(4);
+                    format!(
+                        "INSERT INTO {schema}.processed_events (namespace, correlation_id, {COLUMNS}, revision)
+                         VALUES ($1, $2, $3, $4, nextval('{schema}.fencing_tokens'), $5, $6, $7, $8, $9, $10,
+                                 $11, $12, $13, $14, $15, $16, $17, $18, $19, nextval('{schema}.revisions'))
+                         ON CONFLICT (namespace, correlation_id) DO NOTHING
+                         RETURNING fencing_token, revision"
+                    )
+                } else {
+                    format!(
+                        "INSERT INTO {schema}.processed_events (namespace, correlation_id, {COLUMNS}, revision)
+                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
+                                 $16, $17, $18, $19, $20, nextval('{schema}.revisions'))
+                         ON CONFLICT (namespace, correlation_id) DO NOTHING
+                         RETURNING fencing_token, revision"
+                    )
+                };
+                store.query_opt(client, &sql, &params).await?.map(|row| {
+                    let token = draw_token.then(|| fencing_from_db(row.get(0)));
+                    (token, Some(row.get::<_, i64>(1)))
+                })
+            }
+            // An existing row, written back only at the revision read.
+            (Change::Put(record), Some(believed)) => {
+                let token = if draw_token {
+                    Some(store.next_fencing(client, Some(&believed.record)).await?)
+                } else {
+                    None
+                };
+                let record =
+                    token.map_or_else(|| record.clone(), |token| with_token(record, token));
+                let values = RecordValues::new(&record);
+                let mut params = values.params().to_vec();
+                params.push(&namespace);
+                params.push(&correlation_id);
+                params.push(&believed.version);
+                let sql = format!(
+                    "UPDATE {schema}.processed_events SET
+                           (state, lease_token, fencing_token, lease_expires_at_ms, attempt,
+                            event_type, consumer_version, owner, payload_fingerprint,
+                            claimed_at_ms, committed_at_ms, retain_until_ms, retention_ms,
+                            response, ordering_key, sequence, request_id, recovered, revision)
+                         = ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15,
+                            $16, $17, $18, nextval('{schema}.revisions'))
+                         WHERE namespace = $19 AND correlation_id = $20 AND revision = $21
+                         RETURNING revision"
+                );
+                store
+                    .query_opt(client, &sql, &params)
+                    .await?
+                    .map(|row| (token, Some(row.get::<_, i64>(0))))
+            }
+            (Change::Delete, Some(believed)) => {
+                // The notice goes out with the deletion's commit, or not at
+                // all: other sidecars' local tiers drop the key.
+                let sql = format!(
+                    "WITH deleted AS (
+                       DELETE FROM {schema}.processed_events
+                        WHERE namespace = $1 AND correlation_id = $2 AND revision = $3
+                       RETURNING 1)
+                     SELECT pg_notify('{DELETION_CHANNEL}', $4) FROM deleted"
+                );
+                let notice = format!("{schema} {}", deletion_message(key));
+                store
+                    .query_opt(
+                        client,
+                        &sql,
+                        &[&namespace, &correlation_id, &believed.version, &notice],
+                    )
+                    .await?
+                    .map(|_| (None, None))
+            }
+        };
+        match written {
+            Some((token, version)) => Ok(Swapped::Done { token, version }),
+            // Another sidecar got there first (or our belief was wrong):
+            // the row as it is.
+            None => Ok(Swapped::Conflict(self.read(key).await?.map(Box::new))),
+        }
     }
 }
 
