@@ -268,9 +268,16 @@ async fn overload_is_shed_with_resource_exhausted() {
 
 #[tokio::test]
 async fn slow_calls_time_out_with_unavailable() {
-    let server = start(|config| config.guard.request_timeout = Duration::from_millis(1)).await;
+    // A store whose durability wait never ends: the call is certainly
+    // slower than the timeout (a batch on a fast disk could beat 1 ms).
+    let store = GatedStore::closed();
+    let server = TestServer::builder()
+        .config(|config| config.guard.request_timeout = Duration::from_millis(50))
+        .unix_socket()
+        .start_with_store(Arc::clone(&store))
+        .await;
     let mut client = ClaimAndCommitClient::new(channel(&server.addr.to_string()).await.unwrap());
-    let items = (0..1000)
+    let items = (0..10)
         .map(|i| claim_request(&format!("slow-{i}")))
         .collect();
     let status = client
@@ -279,6 +286,7 @@ async fn slow_calls_time_out_with_unavailable() {
         .unwrap_err();
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     assert!(status.message().contains("--request-timeout"), "{status:?}");
+    store.open();
     stop(server).await;
 }
 
