@@ -178,8 +178,8 @@ pub struct GuardConfig {
     pub read_budget_bytes: usize,
 }
 
-/// The default [`GuardConfig::read_budget_bytes`] (raised to twice the
-/// largest message allowed, if that is more).
+/// The default [`GuardConfig::read_budget_bytes`] (raised to the largest
+/// message allowed, if that is more).
 pub const DEFAULT_READ_BUDGET_BYTES: usize = 64 << 20;
 
 impl GuardConfig {

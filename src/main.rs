@@ -230,9 +230,20 @@ fn serve(args: &ServeArgs) -> ExitCode {
                             store.eviction_refusal(),
                         )
                         .await;
-                        if let Ok(Ok(Some(refusal))) = first_look {
-                            eprintln!("dedupd: invalid configuration: {refusal}");
-                            return ExitCode::from(EXIT_CONFIG);
+                        match first_look {
+                            Ok(Ok(Some(refusal))) => {
+                                eprintln!("dedupd: invalid configuration: {refusal}");
+                                return ExitCode::from(EXIT_CONFIG);
+                            }
+                            // Redis answered with a refusal (NOPERM): said once.
+                            Ok(Err(error @ dedupd::Error::Store(_))) => {
+                                eprintln!(
+                                    "dedupd: invalid configuration: cannot read Redis's eviction policy (INFO memory): {error}; grant the user INFO, or pass --allow-redis-eviction"
+                                );
+                                return ExitCode::from(EXIT_CONFIG);
+                            }
+                            // Unreachable for now: checked again once it answers.
+                            _ => {}
                         }
                         let _upkeep = AbortOnDrop(store.keep_connected());
                         serve_shared(store, local_tier.as_ref(), observer, &settings, server, clock)

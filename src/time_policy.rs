@@ -15,8 +15,8 @@
 //! reported.
 //!
 //! While the estimate cannot be trusted within `--max-clock-uncertainty`
-//! (never measured, a measurement older than [`MAX_MEASUREMENT_AGE`], or round
-//! trips too slow to tell), [`Clock::verify`] fails: calls answer
+//! (never measured, no answer from the store for [`MAX_MEASUREMENT_AGE`], or
+//! round trips too slow to tell), [`Clock::verify`] fails: calls answer
 //! `UNAVAILABLE` and health is `NOT_SERVING`, rather than deciding on a wrong
 //! clock. Within the bound, a lease or a retention can end at most twice the
 //! bound early or late, whatever the pods' own clocks say.
@@ -41,8 +41,8 @@ use crate::{
 /// How often the store's clock is measured.
 pub const MEASURE_EVERY: Duration = Duration::from_secs(1);
 
-/// Longest a measurement is relied on: past it (the store has not answered
-/// for that long) decisions stop until the next measurement.
+/// Longest the store may leave a clock reading unanswered: past it
+/// decisions stop until the next answer.
 pub const MAX_MEASUREMENT_AGE: Duration = Duration::from_secs(30);
 
 /// How fast the store's clock and this pod's monotonic clock may drift
@@ -56,9 +56,21 @@ const STEP_REPORTED: Duration = Duration::from_secs(1);
 
 /// A store that can tell its time.
 pub trait TimeSource: Send + Sync + 'static {
-    /// The store's clock, in microseconds since the Unix epoch, read in one
-    /// round trip (bounded by the store's timeout).
-    fn store_micros(&self) -> impl Future<Output = Result<u64, Error>> + Send;
+    /// The store's clock, read in one round trip (bounded by the store's
+    /// timeout), with the moments that round trip began and ended — taken
+    /// around the exchange alone, not around waiting for a connection.
+    fn read_clock(&self) -> impl Future<Output = Result<ClockReading, Error>> + Send;
+}
+
+/// One answer of a store's clock.
+#[derive(Debug, Clone, Copy)]
+pub struct ClockReading {
+    /// When the question was sent.
+    pub sent: Instant,
+    /// The store's clock, in µs since the Unix epoch.
+    pub store_micros: u64,
+    /// When the answer came.
+    pub received: Instant,
 }
 
 /// One reading of the store's clock, placed on this process's monotonic
@@ -103,6 +115,10 @@ fn wall_micros() -> u64 {
 pub struct StoreClock {
     max_uncertainty: Duration,
     measured: RwLock<Option<Measurement>>,
+    /// When the store last answered a reading, kept or not: a store that
+    /// answers is not silent, even while its round trips are too slow to
+    /// improve on the kept reading.
+    last_heard: RwLock<Option<Instant>>,
     /// This pod's wall clock minus the store's, in µs, at the last
     /// measurement (for metrics and step reports).
     local_offset_micros: AtomicI64,
@@ -129,6 +145,7 @@ impl StoreClock {
         StoreClock {
             max_uncertainty,
             measured: RwLock::new(None),
+            last_heard: RwLock::new(None),
             local_offset_micros: AtomicI64::new(0),
             offset_known: AtomicBool::new(false),
         }
@@ -173,6 +190,7 @@ impl StoreClock {
                 *measured = Some(reading);
             }
         }
+        *self.last_heard.write().expect("store clock lock") = Some(received);
         self.note_local_offset(received);
     }
 
@@ -220,9 +238,8 @@ impl StoreClock {
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             ticker.tick().await;
-            let sent = Instant::now();
-            match source.store_micros().await {
-                Ok(store_micros) => self.observe(sent, store_micros, Instant::now()),
+            match source.read_clock().await {
+                Ok(reading) => self.observe(reading.sent, reading.store_micros, reading.received),
                 Err(error) => tracing::debug!(%error, "cannot read the store's clock"),
             }
         }
@@ -243,11 +260,16 @@ impl Clock for StoreClock {
             return Err("the store's clock has not been measured yet".into());
         };
         let now = Instant::now();
-        let age = now.saturating_duration_since(measured.at);
-        if age > MAX_MEASUREMENT_AGE {
+        let heard = self
+            .last_heard
+            .read()
+            .expect("store clock lock")
+            .unwrap_or(measured.at);
+        let silent = now.saturating_duration_since(heard);
+        if silent > MAX_MEASUREMENT_AGE {
             return Err(format!(
-                "the store's clock was last measured {}s ago",
-                age.as_secs()
+                "the store has not answered a clock reading for {}s",
+                silent.as_secs()
             ));
         }
         let uncertainty = measured.uncertainty_at(now);
@@ -328,6 +350,22 @@ mod tests {
         clock.observe(sent, STORE + 60_000_000, sent + Duration::from_millis(1));
         let now = clock.now().0;
         assert!(now >= (STORE + 60_000_000) / 1000, "{now}");
+    }
+
+    #[test]
+    fn a_store_that_answers_slowly_is_not_silent() {
+        let clock = StoreClock::new(Duration::from_millis(500));
+        // A tight reading 40 s ago, then only slow (not kept) answers: the
+        // kept reading is old, but the store is heard from.
+        let tight = ago(40_000);
+        clock.observe(tight, STORE, tight + Duration::from_micros(200));
+        let slow = ago(10);
+        clock.observe(slow, STORE + 40_000_000, slow + Duration::from_millis(200));
+        clock.verify().unwrap();
+        // Nothing heard for longer than the limit: untrusted.
+        let quiet = StoreClock::new(Duration::from_millis(500));
+        quiet.observe(tight, STORE, tight + Duration::from_micros(200));
+        assert!(quiet.verify().unwrap_err().contains("has not answered"));
     }
 
     #[test]

@@ -19,9 +19,9 @@
 //! record has a time to live, so any `maxmemory-policy` but `noeviction`
 //! under a `maxmemory` would drop live leases and commits: refused, at
 //! start and every few seconds after, unless `--allow-redis-eviction`), and
-//! lose an acknowledged write in a failover (`--store-replicas N`: each
-//! write is followed, in the same round trip, by `WAIT N`; fewer replicas
-//! is UNAVAILABLE). Times to live are computed by the engine's clock, which
+//! lose an acknowledged write in a failover (`--store-replicas N`: before
+//! an answer leaves, a fence write and `WAIT N` prove N replicas hold all
+//! it wrote or read; fewer replicas is UNAVAILABLE). Times to live are computed by the engine's clock, which
 //! on a shared store is Redis's own (`TIME`, [`crate::time_policy`]).
 //!
 //! A write sends what the record was believed to be (this sidecar's own
@@ -61,7 +61,7 @@ use crate::{
     domain::{FencingToken, Key, OrderingScope, Record},
     error::Error,
     machine::{Change, SequenceMark},
-    time_policy::TimeSource,
+    time_policy::{ClockReading, TimeSource},
 };
 
 use super::optimistic::{self, Conditional, Swapped, Versioned, PROVISIONAL};
@@ -227,6 +227,11 @@ pub struct RedisStore {
 struct Inner {
     client: redis::Client,
     connections: Vec<ConnectionManager>,
+    /// With `--store-replicas`: connections for the fence write and `WAIT`
+    /// alone (see [`RedisStore::replicated`]).
+    fences: Vec<ConnectionManager>,
+    /// The fence key of this sidecar.
+    fence_key: String,
     next: AtomicUsize,
     prefix: String,
     timeout: Duration,
@@ -302,16 +307,26 @@ impl RedisStore {
             .set_response_timeout(Some(config.timeout))
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_secs(1));
-        let connections = (0..config.connections.max(1))
-            .map(|_| {
-                ConnectionManager::new_lazy_with_config(client.clone(), manager_config.clone())
-                    .map_err(|error| Error::Store(format!("{shown}: {error}")))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let open = |count: usize| {
+            (0..count)
+                .map(|_| {
+                    ConnectionManager::new_lazy_with_config(client.clone(), manager_config.clone())
+                        .map_err(|error| Error::Store(format!("{shown}: {error}")))
+                })
+                .collect::<Result<Vec<_>, _>>()
+        };
+        let connections = open(config.connections.max(1))?;
+        let fences = if config.replicas > 0 {
+            open(config.connections.max(1))?
+        } else {
+            Vec::new()
+        };
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 client,
                 connections,
+                fences,
+                fence_key: format!("{}:fence:{:016x}", config.prefix, rand::random::<u64>()),
                 next: AtomicUsize::new(0),
                 prefix: config.prefix.clone(),
                 timeout: config.timeout,
@@ -478,62 +493,71 @@ impl RedisStore {
         })
     }
 
-    /// Runs a write script. With `--store-replicas N`, `WAIT N` follows in
-    /// the same round trip (one pipeline on one connection, so the WAIT
-    /// covers this write), and fewer replicas than N is UNAVAILABLE: the
-    /// write may stand, but it is not acknowledged.
+    /// Runs a write script, telling whether it took a second attempt.
     async fn write_script<T: FromRedisValue>(
         &self,
         invocation: &ScriptInvocation<'_>,
     ) -> Result<Attempt<T>, Error> {
+        self.call_tracked(self.connection(), |mut connection| async move {
+            invocation.invoke_async(&mut connection).await
+        })
+        .await
+    }
+
+    /// With `--store-replicas N`: proves that N replicas hold everything
+    /// this call wrote or read. `WAIT` counts the replicas that have the
+    /// last write *of its own connection*, and replicas apply the primary's
+    /// stream in order; so a write of a fence key followed by `WAIT N`, in
+    /// one round trip on a connection of their own, covers every write the
+    /// primary made before it — this call's, on any connection, and the
+    /// ones its reads revealed (a DUPLICATE of a commit a failover would
+    /// lose). The fence connections are apart from the others: Redis serves
+    /// nothing else on a connection while it is blocked in `WAIT`.
+    async fn replicated(&self) -> Result<(), Error> {
         let replicas = self.inner.replicas;
         if replicas == 0 {
-            return self
-                .call_tracked(self.connection(), |mut connection| async move {
-                    invocation.invoke_async(&mut connection).await
-                })
-                .await;
+            return Ok(());
         }
         let wait_ms = u64::try_from((self.inner.timeout / 2).as_millis())
             .unwrap_or(u64::MAX)
             .max(1);
-        let attempt = self
-            .call_tracked(self.connection(), |mut connection| async move {
-                let mut pipe = redis::pipe();
-                pipe.invoke_script(invocation)
+        let turn = self.inner.next.fetch_add(1, Relaxed);
+        let connection = self.inner.fences[turn % self.inner.fences.len()].clone();
+        let fence = &self.inner.fence_key;
+        let acknowledged: u32 = self
+            .call_on(connection, |mut connection| async move {
+                let (acknowledged,): (u32,) = redis::pipe()
+                    .cmd("SET")
+                    .arg(fence)
+                    .arg(turn)
+                    .arg("PX")
+                    .arg(60_000)
+                    .ignore()
                     .cmd("WAIT")
                     .arg(replicas)
-                    .arg(wait_ms);
-                match pipe.query_async::<(T, u32)>(&mut connection).await {
-                    // EVALSHA of a script this server has not seen (a
-                    // restarted or promoted one): load it, once.
-                    Err(error)
-                        if error.kind()
-                            == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
-                    {
-                        invocation.load_async(&mut connection).await?;
-                        pipe.query_async(&mut connection).await
-                    }
-                    answered => answered,
-                }
+                    .arg(wait_ms)
+                    .query_async(&mut connection)
+                    .await?;
+                Ok(acknowledged)
             })
             .await?;
-        let (answer, acknowledged) = attempt.answer;
         if acknowledged < replicas {
             return Err(Error::Unavailable(format!(
-                "a write reached {acknowledged} of {replicas} replicas within {wait_ms} ms (--store-replicas)"
+                "{acknowledged} of {replicas} replicas confirmed within {wait_ms} ms (--store-replicas): not acknowledged, though it may stand on the primary"
             )));
         }
-        Ok(Attempt {
-            answer,
-            retried: attempt.retried,
-        })
+        Ok(())
     }
 
     /// Why Redis must not be used, if it may evict keys (and the operator
     /// did not allow it): `Ok(None)` when it may not. Reads `INFO memory`,
     /// which managed services answer even where `CONFIG` is disabled.
     pub async fn eviction_refusal(&self) -> Result<Option<String>, Error> {
+        if self.inner.allow_eviction {
+            // Allowed: nothing to read (nor to need the INFO permission for).
+            *self.inner.eviction.lock().expect("eviction lock") = Eviction::Never;
+            return Ok(None);
+        }
         let info: String = self
             .call(|mut connection| async move {
                 redis::cmd("INFO")
@@ -550,7 +574,7 @@ impl RedisStore {
                 .to_owned()
         };
         let (maxmemory, policy) = (field("maxmemory"), field("maxmemory_policy"));
-        let refusal = if maxmemory == "0" || policy == "noeviction" || self.inner.allow_eviction {
+        let refusal = if maxmemory == "0" || policy == "noeviction" {
             None
         } else {
             Some(format!(
@@ -624,9 +648,15 @@ impl RedisStore {
                             }
                             checked = Some(tokio::time::Instant::now());
                         }
-                        Err(error) => {
-                            tracing::debug!(%error, "cannot read Redis's eviction policy")
+                        Err(Error::Unavailable(error)) => {
+                            tracing::debug!(%error, "cannot read Redis's eviction policy yet")
                         }
+                        // Redis answered, and refused (e.g. NOPERM for a user
+                        // without INFO): a configuration to fix, not an outage.
+                        Err(error) => tracing::warn!(
+                            %error,
+                            "cannot read Redis's eviction policy (INFO memory): not serving until it can be read; grant the user INFO, or pass --allow-redis-eviction"
+                        ),
                     }
                 }
                 tokio::time::sleep(HEARTBEAT).await;
@@ -769,8 +799,9 @@ impl Store for RedisStore {
     async fn durable(&self) -> Result<(), Error> {
         // Redis answered each write after applying it, and after its
         // append-only file's fsync when `appendfsync always` is set: that
-        // setting is the durability of this store.
-        Ok(())
+        // setting is the durability of this store on one server; across a
+        // failover, `--store-replicas`.
+        self.replicated().await
     }
 
     async fn reap(&self, _now: UnixMillis, _budget: usize) -> Result<ReapReport, Error> {
@@ -872,13 +903,18 @@ impl Conditional for RedisStore {
 }
 
 impl TimeSource for RedisStore {
-    async fn store_micros(&self) -> Result<u64, Error> {
+    async fn read_clock(&self) -> Result<ClockReading, Error> {
+        let sent = std::time::Instant::now();
         let (seconds, micros): (u64, u64) =
             self.call(|mut connection| async move {
                 redis::cmd("TIME").query_async(&mut connection).await
             })
             .await?;
-        Ok(seconds.saturating_mul(1_000_000).saturating_add(micros))
+        Ok(ClockReading {
+            sent,
+            store_micros: seconds.saturating_mul(1_000_000).saturating_add(micros),
+            received: std::time::Instant::now(),
+        })
     }
 }
 

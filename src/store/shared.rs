@@ -10,9 +10,10 @@ use tokio::sync::mpsc;
 
 use crate::{domain::Key, error::Error};
 
-/// How often a deletion feed proves its connection alive, and how long the
-/// proof may take: a feed that went silent is given up after at most twice
-/// this, and the local tier cleared.
+/// How often a deletion feed proves its connection alive: a feed that went
+/// silent is given up after at most about three times this (PostgreSQL's
+/// probe has two heartbeats to come back; Redis's PING one, with a deadline
+/// of one more), and the local tier cleared.
 pub const HEARTBEAT: Duration = Duration::from_secs(1);
 
 /// Deleted keys a subscriber has not taken yet; past this the feed waits

@@ -12,7 +12,7 @@
 //! not connected the tier is cleared and off, so a deletion missed while
 //! disconnected can never be answered from it. What remains is the feed's
 //! delivery time: a Forget's answer may reach its caller a few milliseconds
-//! before another sidecar has dropped its copy (at most 2 × [`HEARTBEAT`]
+//! before another sidecar has dropped its copy (at most about 3 × [`HEARTBEAT`]
 //! when the feed's connection dies silently).
 //!
 //! Bounded by bytes and age with two generations (sled trees): new entries

@@ -51,7 +51,7 @@ impl DeletionFeed for PostgresStore {
         // pooled connection must arrive on the listening one, at start and
         // on every heartbeat, or the feed is given up (and the local tier
         // stays off).
-        let mut probe = 0u64;
+        let probe = 0u64;
         self.notify_probe(&probe_channel, probe).await?;
         let mut early = Vec::new();
         let heard = tokio::time::timeout(self.inner.timeout, async {
@@ -95,38 +95,41 @@ impl DeletionFeed for PostgresStore {
             }
             let mut heartbeat = tokio::time::interval(HEARTBEAT);
             heartbeat.tick().await;
-            let mut probe_heard = true;
+            let (mut sent, mut heard) = (probe, probe);
             loop {
                 tokio::select! {
+                    // A notice already here is taken before the heartbeat
+                    // judges the probes.
+                    biased;
                     notice = noticed.recv() => {
                         let Some(notice) = notice else { break };
                         if notice.channel() == probe_channel {
-                            probe_heard |= notice.payload() == probe.to_string();
+                            if let Ok(number) = notice.payload().parse::<u64>() {
+                                heard = heard.max(number);
+                            }
                         } else if let Some(key) = forward(notice) {
                             if deleted.send(key).await.is_err() {
                                 break;
                             }
                         }
                     }
-                    _ = heartbeat.tick() => {
-                        // A connection that died without a word, or one that
-                        // stopped hearing, is found here: the last probe must
-                        // have arrived within a heartbeat.
-                        if !probe_heard {
-                            tracing::debug!("the deletion feed missed its probe");
-                            break;
-                        }
-                        probe += 1;
-                        probe_heard = false;
-                        let sent = tokio::time::timeout(
-                            HEARTBEAT,
-                            store.notify_probe(&probe_channel, probe),
-                        );
-                        if !matches!(sent.await, Ok(Ok(()))) {
-                            break;
-                        }
-                    }
                     () = deleted.closed() => break,
+                    _ = heartbeat.tick() => {
+                        // Each probe has two heartbeats to come back: a
+                        // connection that died without a word, or one that
+                        // stopped hearing, is found within three.
+                        if sent > heard + 1 {
+                            tracing::debug!(sent, heard, "the deletion feed missed its probes");
+                            break;
+                        }
+                        sent += 1;
+                        // Sent beside the loop: a busy pool delays a probe,
+                        // it does not hold up the notices.
+                        let (store, channel) = (store.clone(), probe_channel.clone());
+                        tokio::spawn(async move {
+                            let _ = store.notify_probe(&channel, sent).await;
+                        });
+                    }
                 }
             }
         });

@@ -67,7 +67,7 @@ use crate::{
     domain::{FencingToken, Key, OrderingScope, Record},
     error::Error,
     machine::{Change, SequenceMark},
-    time_policy::TimeSource,
+    time_policy::{ClockReading, TimeSource},
 };
 
 /// How long a size figure for `/metrics` is reused: counting rows is a scan,
@@ -235,21 +235,22 @@ impl PostgresStore {
     }
 
     /// Runs one exchange with the server on `conn` within the call's
-    /// deadline, noting for health whether the server answered. Past the
-    /// deadline the connection is dropped, not reused.
+    /// deadline, noting for health whether the server answered. A
+    /// connection is reused only once its exchange is over: past the
+    /// deadline, or if the call is dropped midway (a client that went
+    /// away), it is dropped instead.
     async fn bounded<T>(
         &self,
         conn: &Conn,
         exchange: impl Future<Output = Result<T, tokio_postgres::Error>>,
     ) -> Result<T, Error> {
+        conn.broken.store(true, SeqCst);
         match tokio::time::timeout_at(conn.deadline, exchange).await {
             Ok(answered) => {
-                if answered
+                let closed = answered
                     .as_ref()
-                    .is_err_and(tokio_postgres::Error::is_closed)
-                {
-                    conn.broken.store(true, SeqCst);
-                }
+                    .is_err_and(tokio_postgres::Error::is_closed);
+                conn.broken.store(closed, SeqCst);
                 self.observe(answered)
             }
             Err(_) => {
@@ -537,9 +538,17 @@ impl Store for PostgresStore {
         if self.inner.counting.swap(true, SeqCst) {
             return cached.map(|(_, stats)| stats).unwrap_or_default();
         }
+        // Cleared however this ends: a scrape dropped midway must not stop
+        // the counting for good.
+        struct Counting<'a>(&'a AtomicBool);
+        impl Drop for Counting<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, SeqCst);
+            }
+        }
+        let _counting = Counting(&self.inner.counting);
         let stats = self.count().await;
         *self.inner.stats.lock().expect("stats lock") = Some((Instant::now(), stats));
-        self.inner.counting.store(false, SeqCst);
         stats
     }
 
@@ -720,10 +729,11 @@ impl PostgresStore {
 }
 
 impl TimeSource for PostgresStore {
-    async fn store_micros(&self) -> Result<u64, Error> {
+    async fn read_clock(&self) -> Result<ClockReading, Error> {
         let client = self.client().await?;
         // One round trip (the simple protocol: no prepare); the server's
         // clock as the statement runs, not its transaction's start.
+        let sent = std::time::Instant::now();
         let answer = self
             .bounded(
                 &client,
@@ -732,13 +742,19 @@ impl TimeSource for PostgresStore {
                 ),
             )
             .await?;
-        answer
+        let received = std::time::Instant::now();
+        let store_micros = answer
             .iter()
             .find_map(|message| match message {
                 tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0),
                 _ => None,
             })
             .and_then(|text| text.parse().ok())
-            .ok_or_else(|| Error::Store("PostgreSQL's clock_timestamp() is unreadable".into()))
+            .ok_or_else(|| Error::Store("PostgreSQL's clock_timestamp() is unreadable".into()))?;
+        Ok(ClockReading {
+            sent,
+            store_micros,
+            received,
+        })
     }
 }
