@@ -428,3 +428,30 @@ pub enum ReleaseOutcome {
 /// committed it, or it was released).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LeaseLost;
+
+#[cfg(test)]
+impl Record {
+    /// A committed record, live for ever, with `response`: for the stores'
+    /// unit tests.
+    pub(crate) fn committed_for_tests(response: Vec<u8>) -> Record {
+        Record {
+            state: RecordState::Committed,
+            lease_token: LeaseToken(7),
+            fencing_token: FencingToken(9),
+            lease_expires_at: UnixMillis(1),
+            attempt: 1,
+            event_type: String::new(),
+            consumer_version: String::new(),
+            owner: String::new(),
+            payload_fingerprint: String::new(),
+            claimed_at: UnixMillis(1),
+            committed_at: Some(UnixMillis(2)),
+            retain_until: UnixMillis(u64::MAX),
+            retention: std::time::Duration::from_secs(60),
+            response,
+            ordering: None,
+            request_id: String::new(),
+            recovered: false,
+        }
+    }
+}

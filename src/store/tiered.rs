@@ -477,25 +477,7 @@ mod tests {
     }
 
     fn committed(response_bytes: usize) -> Record {
-        Record {
-            state: RecordState::Committed,
-            lease_token: crate::domain::LeaseToken(7),
-            fencing_token: FencingToken(9),
-            lease_expires_at: UnixMillis(1),
-            attempt: 1,
-            event_type: String::new(),
-            consumer_version: String::new(),
-            owner: String::new(),
-            payload_fingerprint: String::new(),
-            claimed_at: UnixMillis(1),
-            committed_at: Some(UnixMillis(2)),
-            retain_until: UnixMillis(u64::MAX),
-            retention: Duration::from_secs(60),
-            response: vec![1; response_bytes],
-            ordering: None,
-            request_id: String::new(),
-            recovered: false,
-        }
+        Record::committed_for_tests(vec![1; response_bytes])
     }
 
     fn key(i: usize) -> Key {
