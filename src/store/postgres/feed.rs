@@ -67,7 +67,12 @@ impl DeletionFeed for PostgresStore {
             false
         })
         .await;
-        if !matches!(heard, Ok(true)) {
+        if matches!(heard, Ok(false)) {
+            return Err(Error::Unavailable(
+                "the LISTEN connection closed while proving itself".into(),
+            ));
+        }
+        if heard.is_err() {
             let reason = "a NOTIFY sent by this sidecar never reached its own LISTEN connection \
                           (is a connection pooler in transaction mode, such as PgBouncer, between \
                           dedupd and PostgreSQL?): no deletion feed, so the local tier stays off";
