@@ -15,15 +15,14 @@ use std::{
 mod common;
 
 use common::{
+    claim,
     forwarder::Forwarder,
     health_of, outcome, postgres, redis, seconds,
     sidecar::{Sidecar, BINARY},
     NOT_SERVING, SERVING,
 };
-use dedupd::proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient};
+use dedupd::proto::v1 as pb;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-type Client = ClaimAndCommitClient<tonic::transport::Channel>;
 
 /// A space of its own on one of the machine's shared stores.
 enum Space {
@@ -134,14 +133,6 @@ fn claim_for(id: &str, lease: i64, retention: i64) -> pb::ClaimRequest {
         retention: seconds(retention),
         ..Default::default()
     }
-}
-
-async fn claim(client: &mut Client, request: pb::ClaimRequest) -> pb::ClaimResponse {
-    client
-        .claim(request)
-        .await
-        .unwrap_or_else(|status| panic!("claim: {status:?}"))
-        .into_inner()
 }
 
 /// One sample of the sidecar's `/metrics`.
