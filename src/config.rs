@@ -17,7 +17,10 @@ use crate::{
     },
     credentials::{AuthSources, StoreUrlSource, TlsFiles, TokenSource},
     listen::ListenAddr,
-    proxy::{idempotency::RoutePattern, server::ProxyConfig},
+    proxy::{
+        idempotency::{CallerScope, KeySyntax, RoutePattern},
+        server::{AfterUnknownOutcome, ProxyConfig},
+    },
     server::ConnectionLimits,
     store::{
         postgres::{self, check_schema, PostgresConfig},
@@ -300,10 +303,59 @@ pub struct HttpProxyArgs {
     /// Namespace of the proxy's records.
     #[arg(long, env = "DEDUPD_HTTP_PROXY_NAMESPACE", default_value = "http")]
     pub http_proxy_namespace: String,
-    /// A request header identifying the caller (e.g. Authorization), hashed
-    /// into every key's scope so two callers' keys never collide.
-    #[arg(long, env = "DEDUPD_HTTP_PROXY_SCOPE_HEADER")]
-    pub http_proxy_scope_header: Option<String>,
+    /// Who a record belongs to besides method and route: `credentials` (a
+    /// hash of every Authorization value, or of the cookies when there is
+    /// none: two callers never share a record) or `none` (every caller
+    /// shares records: anyone who knows a key gets its answer).
+    #[arg(
+        long,
+        env = "DEDUPD_HTTP_PROXY_SCOPE",
+        value_enum,
+        default_value_t = ProxyScope::Credentials
+    )]
+    pub http_proxy_scope: ProxyScope,
+    /// Scope records by these request headers instead of the credentials
+    /// (repeatable or comma-separated; every value of each, in order).
+    #[arg(
+        long,
+        env = "DEDUPD_HTTP_PROXY_SCOPE_HEADER",
+        value_name = "NAME",
+        value_delimiter = ','
+    )]
+    pub http_proxy_scope_header: Vec<String>,
+    /// Response headers never stored or replayed, besides Set-Cookie, which
+    /// never is (repeatable or comma-separated).
+    #[arg(
+        long,
+        env = "DEDUPD_HTTP_PROXY_NEVER_STORE_HEADER",
+        value_name = "NAME",
+        value_delimiter = ','
+    )]
+    pub http_proxy_never_store_header: Vec<String>,
+    /// Accept only the draft's quoted Idempotency-Key ("…"), not the bare
+    /// form most clients send (8e03978e-…).
+    #[arg(long, env = "DEDUPD_HTTP_PROXY_STRICT_KEY_SYNTAX")]
+    pub http_proxy_strict_key_syntax: bool,
+    /// When a keyed request may have reached the upstream but no complete
+    /// answer came back (timeout, reset, the proxy died): `report` records
+    /// "outcome unknown" and never sends it again (retries get 502
+    /// outcome-unknown); `retry` releases the key so a retry sends it again
+    /// — only for upstreams that deduplicate themselves.
+    #[arg(
+        long,
+        env = "DEDUPD_HTTP_PROXY_AFTER_UNKNOWN_OUTCOME",
+        value_enum,
+        default_value_t = AfterUnknownOutcomeArg::Report
+    )]
+    pub http_proxy_after_unknown_outcome: AfterUnknownOutcomeArg,
+    /// Longest a client may take to send a request's head, and longest an
+    /// HTTP/1 connection may sit idle between requests.
+    #[arg(long, env = "DEDUPD_HTTP_PROXY_HEADER_TIMEOUT", default_value = "10s")]
+    pub http_proxy_header_timeout: humantime::Duration,
+    /// Longest a client may take to send the body of a keyed request
+    /// (answered 408, not forwarded, when it is slower).
+    #[arg(long, env = "DEDUPD_HTTP_PROXY_BODY_TIMEOUT", default_value = "30s")]
+    pub http_proxy_body_timeout: humantime::Duration,
     /// Answer 400 to a deduplicated method without an Idempotency-Key:
     /// alone, on every route; or where one of the comma-separated patterns
     /// `[METHOD ]PATH` matches (`*` one segment, a final `**` the rest:
@@ -328,7 +380,8 @@ pub struct HttpProxyArgs {
     #[arg(long, env = "DEDUPD_HTTP_PROXY_MAX_REQUEST_BYTES", default_value_t = 8 << 20)]
     pub http_proxy_max_request_bytes: usize,
     /// The longest the upstream may take to answer a keyed request (then
-    /// 502 and the key is released).
+    /// 502 outcome-unknown: it is not sent again), and the longest a
+    /// streamed answer may pause.
     #[arg(
         long,
         env = "DEDUPD_HTTP_PROXY_UPSTREAM_TIMEOUT",
@@ -388,18 +441,39 @@ impl HttpProxyArgs {
                 )
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let scope_header = self
-            .http_proxy_scope_header
-            .as_deref()
-            .map(|name| {
-                http::HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
-                    format!(
-                        "--{} {name:?} is not a header name",
-                        self.flag("scope-header")
-                    )
+        let header_names = |flag: &str, names: &[String]| {
+            names
+                .iter()
+                .map(|name| {
+                    http::HeaderName::from_bytes(name.trim().as_bytes())
+                        .map_err(|_| format!("--{} {name:?} is not a header name", self.flag(flag)))
                 })
-            })
-            .transpose()?;
+                .collect::<Result<Vec<_>, _>>()
+        };
+        let scope_headers = header_names("scope-header", &self.http_proxy_scope_header)?;
+        let scope = match (self.http_proxy_scope, scope_headers.is_empty()) {
+            (ProxyScope::Credentials, true) => CallerScope::Credentials,
+            (ProxyScope::Credentials, false) => CallerScope::Headers(scope_headers),
+            (ProxyScope::None, true) => CallerScope::Shared,
+            (ProxyScope::None, false) => {
+                return Err(format!(
+                    "--{} none and --{} contradict each other: choose one",
+                    self.flag("scope"),
+                    self.flag("scope-header")
+                ))
+            }
+        };
+        let never_store = header_names("never-store-header", &self.http_proxy_never_store_header)?;
+        let header_timeout = check_duration_flag(
+            &self.flag("header-timeout"),
+            self.http_proxy_header_timeout.into(),
+            Duration::from_secs(3600),
+        )?;
+        let body_timeout = check_duration_flag(
+            &self.flag("body-timeout"),
+            self.http_proxy_body_timeout.into(),
+            Duration::from_secs(3600),
+        )?;
         // The proxy's records follow the same rules as any client's.
         limits
             .key(&self.http_proxy_namespace, "probe")
@@ -446,7 +520,13 @@ impl HttpProxyArgs {
                 upstream: upstream_uri,
                 namespace: self.http_proxy_namespace.clone(),
                 methods,
-                scope_header,
+                scope,
+                never_store,
+                key_syntax: if self.http_proxy_strict_key_syntax {
+                    KeySyntax::Strict
+                } else {
+                    KeySyntax::Lenient
+                },
                 require_key,
                 lease_ttl: limits.default_lease_ttl,
                 retention,
@@ -454,9 +534,35 @@ impl HttpProxyArgs {
                 max_request_bytes: self.http_proxy_max_request_bytes,
                 upstream_timeout,
                 wait_in_flight,
+                after_unknown_outcome: match self.http_proxy_after_unknown_outcome {
+                    AfterUnknownOutcomeArg::Report => AfterUnknownOutcome::Report,
+                    AfterUnknownOutcomeArg::Retry => AfterUnknownOutcome::Retry,
+                },
+                header_timeout,
+                body_timeout,
+                // Set with the other connection limits (`ServeArgs::validate`).
+                connections: ConnectionLimits::default(),
             },
         )))
     }
+}
+
+/// `--http-proxy-scope`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ProxyScope {
+    /// A hash of the caller's credentials.
+    Credentials,
+    /// None: every caller shares records.
+    None,
+}
+
+/// `--http-proxy-after-unknown-outcome`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AfterUnknownOutcomeArg {
+    /// Record "outcome unknown"; never send it again (at most once).
+    Report,
+    /// Release the key; a retry sends it again (at least once).
+    Retry,
 }
 
 /// The store to open.
@@ -821,7 +927,21 @@ impl ServeArgs {
             max_response_bytes: self.max_response_bytes,
             max_batch_size: self.max_batch_size,
         };
-        let http_proxy = self.http_proxy.validate(&limits)?;
+        let connections = ConnectionLimits {
+            max_connections: self.max_connections,
+            max_streams_per_connection: self.max_streams_per_connection,
+            max_connection_age,
+            ..ConnectionLimits::default()
+        };
+        let http_proxy = self.http_proxy.validate(&limits)?.map(|(address, proxy)| {
+            (
+                address,
+                ProxyConfig {
+                    connections,
+                    ..proxy
+                },
+            )
+        });
         Ok(Settings {
             listen: self.listen.clone(),
             metrics_listen,
@@ -830,12 +950,7 @@ impl ServeArgs {
             auth,
             tls,
             max_concurrent_requests: self.max_concurrent_requests,
-            connections: ConnectionLimits {
-                max_connections: self.max_connections,
-                max_streams_per_connection: self.max_streams_per_connection,
-                max_connection_age,
-                ..ConnectionLimits::default()
-            },
+            connections,
             request_timeout,
             request_read_timeout,
             max_message_bytes: self.max_message_bytes,

@@ -89,6 +89,25 @@ impl From<io::Error> for Error {
     }
 }
 
+impl Error {
+    /// Whether the same call may succeed if made again shortly: the store
+    /// was unavailable, slow or short of a resource. A lost lease, a bad
+    /// request or a damaged record stay as they are.
+    pub fn may_pass(&self) -> bool {
+        match self {
+            Error::DiskFull(_)
+            | Error::Exhausted(_)
+            | Error::Unavailable(_)
+            | Error::Io(_)
+            | Error::Store(_) => true,
+            Error::InvalidArgument(_)
+            | Error::LeaseLost { .. }
+            | Error::Server(_)
+            | Error::Corrupt(_) => false,
+        }
+    }
+}
+
 /// The reason in the `google.rpc.ErrorInfo` of a lost lease.
 pub const LEASE_LOST_REASON: &str = "LEASE_LOST";
 /// The domain in dedupd's `google.rpc.ErrorInfo` details.

@@ -341,23 +341,71 @@ pub async fn serve_tcp<F, Fut>(
     F: Fn(TcpStream, SocketAddr, tokio_util::sync::CancellationToken) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
-    let connections = tokio_util::task::TaskTracker::new();
-    let stopping = tokio_util::sync::CancellationToken::new();
-    tokio::pin!(shutdown);
-    loop {
-        let (stream, peer) = tokio::select! {
-            () = &mut shutdown => break,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
+    let incoming = futures_util::stream::unfold(listener, |listener| async move {
+        loop {
+            match listener.accept().await {
+                Ok(accepted) => return Some((accepted, listener)),
                 Err(error) => {
                     tracing::warn!(%error, "accept failed");
                     tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
                 }
+            }
+        }
+    });
+    serve_until(incoming, shutdown, grace, |(stream, peer), stopping| {
+        let _ = stream.set_nodelay(true);
+        serve(stream, peer, stopping)
+    })
+    .await;
+}
+
+/// Like [`serve_tcp`], but through [`accept_capped`]: each connection holds
+/// one of `slots` while open and must send its first bytes within
+/// `first_bytes_timeout` — the defences of the gRPC listener, for the
+/// HTTP faces.
+pub(crate) async fn serve_tcp_capped<F, Fut>(
+    listener: TcpListener,
+    slots: Arc<Semaphore>,
+    first_bytes_timeout: Duration,
+    shutdown: impl Future<Output = ()>,
+    grace: Duration,
+    serve: F,
+) where
+    F: Fn(Capped<TcpStream>, tokio_util::sync::CancellationToken) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    use futures_util::StreamExt;
+    // accept_capped logs and backs off on accept errors itself.
+    let incoming = accept_capped(listener, slots, first_bytes_timeout)
+        .filter_map(|accepted| std::future::ready(accepted.ok()));
+    serve_until(incoming, shutdown, grace, serve).await;
+}
+
+/// Runs `serve` for each connection of `incoming` until `shutdown`, then
+/// stops them gracefully within `grace` (see [`serve_tcp`]).
+async fn serve_until<C, F, Fut>(
+    incoming: impl Stream<Item = C>,
+    shutdown: impl Future<Output = ()>,
+    grace: Duration,
+    serve: F,
+) where
+    F: Fn(C, tokio_util::sync::CancellationToken) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    use futures_util::StreamExt;
+    let connections = tokio_util::task::TaskTracker::new();
+    let stopping = tokio_util::sync::CancellationToken::new();
+    tokio::pin!(shutdown);
+    tokio::pin!(incoming);
+    loop {
+        let connection = tokio::select! {
+            () = &mut shutdown => break,
+            next = incoming.next() => match next {
+                Some(connection) => connection,
+                None => break,
             },
         };
-        let _ = stream.set_nodelay(true);
-        connections.spawn(serve(stream, peer, stopping.clone()));
+        connections.spawn(serve(connection, stopping.clone()));
     }
     stopping.cancel();
     connections.close();

@@ -344,8 +344,9 @@ pub async fn run<S: Store>(
             Err(error) => tracing::warn!(%error, "HTTP proxy serving on an unknown address"),
         }
         let (engine, signal) = (engine.clone(), stopped());
+        let slots = Arc::clone(&connection_slots);
         servers.spawn(async move {
-            proxy::server::serve(listener, engine, proxy_config, signal)
+            proxy::server::serve(listener, engine, proxy_config, slots, signal)
                 .await
                 .map_err(|e| Error::Server(format!("HTTP proxy: {e}")))
         });

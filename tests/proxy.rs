@@ -1,34 +1,57 @@
 //! The HTTP idempotency proxy: a real upstream that counts its calls, the
 //! proxy on the sled store, real HTTP/1.1 and HTTP/2 clients; and the
 //! `dedupd` binary with `--http-proxy-listen`, killed with SIGKILL between
-//! a request and its retry.
+//! a request and its retry, and in the middle of one. The promise under
+//! test: a keyed request reaches the upstream at most once, whatever the
+//! client retries and whatever fails.
 
 mod common;
 
-use std::{convert::Infallible, net::SocketAddr, sync::Arc, time::Duration};
+use std::{
+    convert::Infallible,
+    net::SocketAddr,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
 
 use bytes::Bytes;
 use dedupd::{
     clock::SystemClock,
     engine::Engine,
     proxy::{
-        idempotency::RoutePattern,
-        server::{serve, ProxyConfig},
+        idempotency::{CallerScope, KeySyntax, RoutePattern},
+        server::{serve, AfterUnknownOutcome, ProxyConfig},
     },
-    store::sled::{SledConfig, SledStore},
+    server::ConnectionLimits,
+    store::{
+        sled::{SledConfig, SledStore},
+        Store,
+    },
 };
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
 /// The upstream: counts calls per path. `/orders` answers 201 with the call
-/// number, slowly enough for retries to overlap; `/flaky` answers 500 on its
-/// first call and 201 after; `/stream` echoes each chunk as it comes; any
-/// other path answers 200 with the body.
+/// number, slowly enough for retries to overlap; `/slow` answers 201 after
+/// 2.5 s; `/flaky` answers 500 on its first call and 201 after; `/stream`
+/// echoes each chunk as it comes; `/cookie` gives the caller a session
+/// cookie and names it in the body; `/big?mib=N` answers N MiB, generated as
+/// it is sent; `/outage` sets `store_down` before answering 201; any other
+/// path answers 200 with the body.
 struct Upstream {
     address: SocketAddr,
     calls: Arc<counts::Counts>,
+    /// Set by a call to `/outage`: a [`common::FailingStore`] built on it
+    /// stops taking writes between the upstream's answer and the commit.
+    store_down: Arc<AtomicBool>,
 }
+
+/// `/big`'s chunk.
+const BIG_CHUNK: usize = 64 << 10;
 
 mod counts {
     use std::{collections::HashMap, sync::Mutex};
@@ -54,15 +77,19 @@ async fn upstream() -> Upstream {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
     let calls = Arc::new(counts::Counts::default());
+    let store_down = Arc::new(AtomicBool::new(false));
     let counts = Arc::clone(&calls);
+    let trip = Arc::clone(&store_down);
     tokio::spawn(async move {
         loop {
             let (stream, _) = listener.accept().await.unwrap();
             let counts = Arc::clone(&counts);
+            let trip = Arc::clone(&trip);
             tokio::spawn(async move {
                 let service =
                     hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
                         let counts = Arc::clone(&counts);
+                        let trip = Arc::clone(&trip);
                         async move {
                             let path = request.uri().path().to_owned();
                             let call = counts.bump(&path);
@@ -70,11 +97,55 @@ async fn upstream() -> Upstream {
                                 // Each chunk is sent back as it arrives.
                                 return Ok(Response::new(request.into_body().boxed()));
                             }
+                            if path == "/big" {
+                                let mib: usize = request
+                                    .uri()
+                                    .query()
+                                    .and_then(|query| query.strip_prefix("mib="))
+                                    .and_then(|mib| mib.parse().ok())
+                                    .unwrap_or(1);
+                                let chunks = (mib << 20) / BIG_CHUNK;
+                                let frames = futures_util::StreamExt::map(
+                                    futures_util::stream::iter(0..chunks),
+                                    |index| {
+                                        Ok::<_, hyper::Error>(hyper::body::Frame::data(
+                                            Bytes::from(vec![b'a' + (index % 26) as u8; BIG_CHUNK]),
+                                        ))
+                                    },
+                                );
+                                return Ok(Response::new(
+                                    http_body_util::StreamBody::new(frames).boxed(),
+                                ));
+                            }
+                            let authorization = request
+                                .headers()
+                                .get("authorization")
+                                .map(|value| value.to_str().unwrap().to_owned())
+                                .unwrap_or_default();
                             let body = request.into_body().collect().await.unwrap().to_bytes();
+                            let mut cookie = None;
                             let (status, text) = match path.as_str() {
                                 "/orders" => {
                                     tokio::time::sleep(Duration::from_millis(200)).await;
                                     (StatusCode::CREATED, format!("{{\"order\":{call}}}"))
+                                }
+                                "/slow" => {
+                                    tokio::time::sleep(Duration::from_millis(2500)).await;
+                                    (StatusCode::CREATED, format!("{{\"slow\":{call}}}"))
+                                }
+                                "/outage" => {
+                                    trip.store(true, Ordering::SeqCst);
+                                    (StatusCode::CREATED, format!("{{\"outage\":{call}}}"))
+                                }
+                                "/cookie" => {
+                                    cookie = Some(format!(
+                                        "session={}",
+                                        authorization.replace(' ', "-")
+                                    ));
+                                    (
+                                        StatusCode::CREATED,
+                                        format!("{{\"caller\":\"{authorization}\"}}"),
+                                    )
                                 }
                                 "/flaky" if call == 1 => {
                                     (StatusCode::INTERNAL_SERVER_ERROR, "boom".into())
@@ -82,10 +153,14 @@ async fn upstream() -> Upstream {
                                 "/flaky" => (StatusCode::CREATED, format!("{{\"call\":{call}}}")),
                                 _ => (StatusCode::OK, String::from_utf8_lossy(&body).into_owned()),
                             };
-                            let response = Response::builder()
+                            let mut response = Response::builder()
                                 .status(status)
                                 .header("content-type", "application/json")
-                                .header("x-upstream-call", call.to_string())
+                                .header("x-upstream-call", call.to_string());
+                            if let Some(cookie) = cookie {
+                                response = response.header("set-cookie", cookie);
+                            }
+                            let response = response
                                 .body(
                                     Full::new(Bytes::from(text))
                                         .map_err(|never| match never {})
@@ -101,7 +176,44 @@ async fn upstream() -> Upstream {
             });
         }
     });
-    Upstream { address, calls }
+    Upstream {
+        address,
+        calls,
+        store_down,
+    }
+}
+
+/// An upstream that reads each request, counts it, and closes the
+/// connection without a word: an answer that never comes.
+async fn hanging_up_upstream() -> Upstream {
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let calls = Arc::new(counts::Counts::default());
+    let counts = Arc::clone(&calls);
+    tokio::spawn(async move {
+        loop {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let counts = Arc::clone(&counts);
+            tokio::spawn(async move {
+                let mut request = Vec::new();
+                let mut buffer = [0u8; 4096];
+                while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut buffer).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(read) => request.extend_from_slice(&buffer[..read]),
+                    }
+                }
+                counts.bump("/hang-up");
+                drop(stream);
+            });
+        }
+    });
+    Upstream {
+        address,
+        calls,
+        store_down: Arc::new(AtomicBool::new(false)),
+    }
 }
 
 struct Proxy {
@@ -118,6 +230,15 @@ async fn proxy(upstream: &Upstream) -> Proxy {
 async fn proxy_with(upstream: &Upstream, adjust: impl FnOnce(&mut ProxyConfig)) -> Proxy {
     let dir = tempfile::tempdir().unwrap();
     let store = SledStore::open(&SledConfig::new(dir.path().join("data"))).unwrap();
+    proxy_on(upstream, store, dir, adjust).await
+}
+
+async fn proxy_on<S: Store>(
+    upstream: &Upstream,
+    store: S,
+    dir: tempfile::TempDir,
+    adjust: impl FnOnce(&mut ProxyConfig),
+) -> Proxy {
     let engine = Engine::new(Arc::new(store), Arc::new(SystemClock));
     let metrics = Arc::clone(engine.metrics());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -126,7 +247,9 @@ async fn proxy_with(upstream: &Upstream, adjust: impl FnOnce(&mut ProxyConfig)) 
         upstream: format!("http://{}", upstream.address).parse().unwrap(),
         namespace: "http".into(),
         methods: vec![Method::POST, Method::PATCH],
-        scope_header: Some(http::header::AUTHORIZATION),
+        scope: CallerScope::Credentials,
+        never_store: Vec::new(),
+        key_syntax: KeySyntax::Lenient,
         require_key: Vec::new(),
         lease_ttl: Duration::from_secs(5),
         retention: Duration::from_secs(3600),
@@ -134,10 +257,17 @@ async fn proxy_with(upstream: &Upstream, adjust: impl FnOnce(&mut ProxyConfig)) 
         max_request_bytes: 1 << 20,
         upstream_timeout: Duration::from_secs(10),
         wait_in_flight: Duration::ZERO,
+        after_unknown_outcome: AfterUnknownOutcome::Report,
+        header_timeout: Duration::from_secs(10),
+        body_timeout: Duration::from_secs(10),
+        connections: ConnectionLimits::default(),
     };
     adjust(&mut config);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(serve(listener, engine, config, async {
+    let slots = Arc::new(tokio::sync::Semaphore::new(
+        config.connections.max_connections,
+    ));
+    tokio::spawn(serve(listener, engine, config, slots, async {
         let _ = stopped.await;
     }));
     Proxy {
@@ -318,7 +448,7 @@ async fn a_server_error_releases_the_key_so_the_retry_runs_again() {
 async fn bad_or_missing_keys_are_400_and_other_requests_pass_through() {
     let upstream = upstream().await;
     let proxy = proxy(&upstream).await;
-    for bad in ["unquoted", "\"\""] {
+    for bad in ["two words", "a,b", "\"open", "\"\""] {
         let answer = post(proxy.address, "/echo", bad, "{}").await;
         assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{bad}");
         assert!(answer.body.contains("invalid-idempotency-key"));
@@ -676,6 +806,7 @@ async fn an_http_1_0_upstream_is_answered_in_the_clients_version() {
     let upstream = Upstream {
         address,
         calls: Arc::new(counts::Counts::default()),
+        store_down: Arc::new(AtomicBool::new(false)),
     };
     let proxy = proxy(&upstream).await;
     let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
@@ -737,6 +868,7 @@ async fn grpc_unary_calls_are_replayed_with_their_status() {
     let upstream = Upstream {
         address: service.addr,
         calls: Arc::new(counts::Counts::default()),
+        store_down: Arc::new(AtomicBool::new(false)),
     };
     let proxy = proxy(&upstream).await;
     let channel = tonic::transport::Channel::from_shared(format!("http://{}", proxy.address))
@@ -857,4 +989,348 @@ async fn a_retry_can_wait_for_the_first_requests_result() {
     );
     assert_eq!(retry.body, first.body);
     assert_eq!(upstream.calls.get("/orders"), 1);
+}
+
+/// Sends `request` (headers of the caller's choosing) and reads the answer.
+async fn exchange(address: SocketAddr, request: http::request::Builder, body: &str) -> Answer {
+    let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .build_http::<Full<Bytes>>();
+    let request = request
+        .uri(format!("http://{address}{}", "/cookie"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_owned())))
+        .unwrap();
+    let response = client.request(request).await.unwrap();
+    let (parts, body) = response.into_parts();
+    Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body: String::from_utf8(body.collect().await.unwrap().to_bytes().to_vec()).unwrap(),
+    }
+}
+
+fn problem_type(answer: &Answer) -> String {
+    let problem: serde_json::Value = serde_json::from_str(&answer.body)
+        .unwrap_or_else(|_| panic!("not a problem document: {}", answer.body));
+    problem["type"]
+        .as_str()
+        .unwrap()
+        .rsplit('/')
+        .next()
+        .unwrap()
+        .to_owned()
+}
+
+/// The upstream takes 2.5 s, the proxy waits 1 s: the client gets 502
+/// outcome-unknown, and every retry — at once, while the upstream still
+/// works, and after it finished — gets the same, never a second send.
+#[tokio::test]
+async fn a_slow_upstream_runs_once_whatever_the_client_retries() {
+    let upstream = upstream().await;
+    let proxy = proxy_with(&upstream, |config| {
+        config.upstream_timeout = Duration::from_secs(1);
+    })
+    .await;
+    let first = post(proxy.address, "/slow", "s-1", "{}").await;
+    assert_eq!(first.status, StatusCode::BAD_GATEWAY, "{}", first.body);
+    assert_eq!(problem_type(&first), "outcome-unknown");
+    assert!(
+        first.body.contains("did not answer within 1s"),
+        "{}",
+        first.body
+    );
+    let during = post(proxy.address, "/slow", "s-1", "{}").await;
+    assert_eq!(during.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(problem_type(&during), "outcome-unknown");
+    // The upstream finishes its one call.
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    for _ in 0..3 {
+        let after = post(proxy.address, "/slow", "s-1", "{}").await;
+        assert_eq!(after.status, StatusCode::BAD_GATEWAY);
+        assert_eq!(problem_type(&after), "outcome-unknown");
+    }
+    assert_eq!(upstream.calls.get("/slow"), 1);
+    let text = proxy.metrics.render();
+    assert!(
+        text.contains("dedupd_http_proxy_requests_total{result=\"outcome_unknown\"} 5"),
+        "{text}"
+    );
+}
+
+/// `--after-unknown-outcome retry` is the opt-in to at-least-once: the same
+/// timeout releases the key and the retry is sent again.
+#[tokio::test]
+async fn after_unknown_outcome_retry_sends_the_retry_again() {
+    let upstream = upstream().await;
+    let proxy = proxy_with(&upstream, |config| {
+        config.upstream_timeout = Duration::from_secs(1);
+        config.after_unknown_outcome = AfterUnknownOutcome::Retry;
+    })
+    .await;
+    let first = post(proxy.address, "/slow", "r-1", "{}").await;
+    assert_eq!(first.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(problem_type(&first), "upstream-failed");
+    let retry = post(proxy.address, "/slow", "r-1", "{}").await;
+    assert_eq!(problem_type(&retry), "upstream-failed");
+    assert_eq!(upstream.calls.get("/slow"), 2);
+}
+
+/// A connection closed after the request was sent is an unknown outcome;
+/// a connection that could not be made at all (nothing sent) releases the
+/// key.
+#[tokio::test]
+async fn a_reset_is_an_unknown_outcome_but_a_refused_connection_releases() {
+    let upstream = hanging_up_upstream().await;
+    let proxy = proxy(&upstream).await;
+    for _ in 0..3 {
+        let answer = post(proxy.address, "/orders", "reset-1", "{}").await;
+        assert_eq!(answer.status, StatusCode::BAD_GATEWAY, "{}", answer.body);
+        assert_eq!(problem_type(&answer), "outcome-unknown");
+    }
+    assert_eq!(upstream.calls.get("/hang-up"), 1);
+
+    // A port nobody listens on.
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let nowhere = Upstream {
+        address: closed.local_addr().unwrap(),
+        calls: Arc::new(counts::Counts::default()),
+        store_down: Arc::new(AtomicBool::new(false)),
+    };
+    drop(closed);
+    let refusing = self::proxy(&nowhere).await;
+    for _ in 0..2 {
+        let answer = post(refusing.address, "/orders", "refused-1", "{}").await;
+        assert_eq!(answer.status, StatusCode::BAD_GATEWAY);
+        assert_eq!(
+            problem_type(&answer),
+            "upstream-failed",
+            "released, so the retry is tried again: {}",
+            answer.body
+        );
+    }
+}
+
+/// By default a record is scoped by the caller's credentials: two callers
+/// with the same key (and body, and route) never see each other's body or
+/// session cookie, and a caller's own retry never gets its cookie back.
+#[tokio::test]
+async fn two_callers_never_see_each_others_body_or_cookie() {
+    let upstream = upstream().await;
+    let proxy = proxy(&upstream).await;
+    let as_caller = |credentials: (&'static str, &'static str)| {
+        Request::post("/")
+            .header("idempotency-key", "shared-key")
+            .header(credentials.0, credentials.1)
+    };
+    let alice = exchange(
+        proxy.address,
+        as_caller(("authorization", "Bearer alice")),
+        "{}",
+    )
+    .await;
+    assert_eq!(alice.status, StatusCode::CREATED);
+    assert_eq!(alice.headers["set-cookie"], "session=Bearer-alice");
+    let bob = exchange(
+        proxy.address,
+        as_caller(("authorization", "Bearer bob")),
+        "{}",
+    )
+    .await;
+    assert!(!replayed(&bob), "bob got alice's record: {}", bob.body);
+    assert!(bob.body.contains("Bearer bob"), "{}", bob.body);
+    assert_eq!(bob.headers["set-cookie"], "session=Bearer-bob");
+    // Cookie-only callers are told apart by their cookies.
+    let carol = exchange(proxy.address, as_caller(("cookie", "sid=carol")), "{}").await;
+    let dave = exchange(proxy.address, as_caller(("cookie", "sid=dave")), "{}").await;
+    assert!(!replayed(&carol) && !replayed(&dave));
+    assert_eq!(upstream.calls.get("/cookie"), 4);
+
+    let alice_again = exchange(
+        proxy.address,
+        as_caller(("authorization", "Bearer alice")),
+        "{}",
+    )
+    .await;
+    assert!(replayed(&alice_again));
+    assert_eq!(alice_again.body, alice.body);
+    assert!(
+        !alice_again.headers.contains_key("set-cookie"),
+        "a replay never hands out a session"
+    );
+    assert_eq!(upstream.calls.get("/cookie"), 4);
+
+    // A second Authorization value is part of the identity: it cannot be
+    // used to step into alice's record.
+    let smuggled = exchange(
+        proxy.address,
+        as_caller(("authorization", "Bearer alice")).header("authorization", "Bearer mallory"),
+        "{}",
+    )
+    .await;
+    assert!(!replayed(&smuggled));
+
+    // Named scope headers: every value of each, in order.
+    let by_tenant = proxy_with(&upstream, |config| {
+        config.scope = CallerScope::Headers(vec![http::HeaderName::from_static("x-tenant")]);
+        config.never_store = vec![http::HeaderName::from_static("x-upstream-call")];
+    })
+    .await;
+    let t1 = exchange(by_tenant.address, as_caller(("x-tenant", "t1")), "{}").await;
+    let t1_t2 = exchange(
+        by_tenant.address,
+        as_caller(("x-tenant", "t1")).header("x-tenant", "t2"),
+        "{}",
+    )
+    .await;
+    assert!(!replayed(&t1_t2), "a second value chose another scope");
+    let t1_again = exchange(by_tenant.address, as_caller(("x-tenant", "t1")), "{}").await;
+    assert!(replayed(&t1_again));
+    assert!(t1.headers.contains_key("x-upstream-call"));
+    assert!(
+        !t1_again.headers.contains_key("x-upstream-call"),
+        "--never-store-header is neither stored nor replayed"
+    );
+}
+
+/// Stripe's bare keys and the draft's quoted ones are the same key;
+/// `--strict-key-syntax` accepts only the draft's.
+#[tokio::test]
+async fn bare_and_quoted_keys_dedupe_together() {
+    let upstream = upstream().await;
+    let proxy = proxy(&upstream).await;
+    let uuid = "8e03978e-40d5-43e8-bc93-6894a57f9324";
+    let bare = post(proxy.address, "/orders", uuid, "{}").await;
+    assert_eq!(bare.status, StatusCode::CREATED, "{}", bare.body);
+    let quoted = post(proxy.address, "/orders", &format!("\"{uuid}\""), "{}").await;
+    assert!(replayed(&quoted));
+    assert_eq!(quoted.body, bare.body);
+    assert_eq!(upstream.calls.get("/orders"), 1);
+
+    let strict = proxy_with(&upstream, |config| config.key_syntax = KeySyntax::Strict).await;
+    let refused = post(strict.address, "/orders", uuid, "{}").await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST);
+    assert_eq!(problem_type(&refused), "invalid-idempotency-key");
+    assert_eq!(upstream.calls.get("/orders"), 1);
+}
+
+/// CONNECT and an asterisk-form target are answered, and the proxy goes on
+/// serving (they used to panic a task).
+#[tokio::test]
+async fn connect_and_non_path_targets_are_answered() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let upstream = upstream().await;
+    let proxy = proxy(&upstream).await;
+    for (request, status) in [
+        (
+            "CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n",
+            "405",
+        ),
+        ("OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n", "400"),
+    ] {
+        let mut socket = tokio::net::TcpStream::connect(proxy.address).await.unwrap();
+        socket.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = vec![0u8; 4096];
+        let read = tokio::time::timeout(Duration::from_secs(5), socket.read(&mut answer))
+            .await
+            .expect("an answer")
+            .unwrap();
+        let answer = String::from_utf8_lossy(&answer[..read]);
+        assert!(
+            answer.starts_with(&format!("HTTP/1.1 {status}")),
+            "{request:?}: {answer}"
+        );
+    }
+    let after = post(proxy.address, "/echo", "after-connect", "{}").await;
+    assert_eq!(after.status, StatusCode::OK);
+    assert_eq!(upstream.calls.get("/echo"), 1);
+}
+
+/// Two IDs a double cannot tell apart are two payloads: the second is 422,
+/// not the first one's answer.
+#[tokio::test]
+async fn numbers_beyond_2_pow_53_are_not_confused() {
+    let upstream = upstream().await;
+    let proxy = proxy(&upstream).await;
+    let first = post(
+        proxy.address,
+        "/echo",
+        "big-id",
+        r#"{"id":9007199254740993}"#,
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::OK);
+    let other = post(
+        proxy.address,
+        "/echo",
+        "big-id",
+        r#"{"id":9007199254740992}"#,
+    )
+    .await;
+    assert_eq!(
+        other.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{}",
+        other.body
+    );
+    let same = post(
+        proxy.address,
+        "/echo",
+        "big-id",
+        r#"{ "id": 9007199254740993 }"#,
+    )
+    .await;
+    assert!(replayed(&same));
+    assert_eq!(upstream.calls.get("/echo"), 1);
+}
+
+/// The store stops taking writes the moment the upstream answers. A short
+/// outage: the commit is retried (the lease renewed) and the answer is
+/// replayable. A long one: the client gets the answer marked
+/// `idempotency-replayable: false`, and a retry — once the store is back
+/// and the lease over — is answered outcome-unknown, not sent again.
+#[tokio::test]
+async fn a_store_outage_between_the_answer_and_the_commit() {
+    let upstream = upstream().await;
+    let store = common::FailingStore::new(Arc::clone(&upstream.store_down));
+    let proxy = proxy_on(&upstream, store, tempfile::tempdir().unwrap(), |config| {
+        config.lease_ttl = Duration::from_secs(2);
+    })
+    .await;
+    let heal = |after: Duration| {
+        let down = Arc::clone(&upstream.store_down);
+        tokio::spawn(async move {
+            while !down.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            tokio::time::sleep(after).await;
+            down.store(false, Ordering::SeqCst);
+        })
+    };
+
+    let healing = heal(Duration::from_millis(400));
+    let first = post(proxy.address, "/outage", "brief", "{}").await;
+    healing.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(!first.headers.contains_key("idempotency-replayable"));
+    let retry = post(proxy.address, "/outage", "brief", "{}").await;
+    assert!(replayed(&retry), "{}", retry.body);
+    assert_eq!(upstream.calls.get("/outage"), 1);
+
+    let healing = heal(Duration::from_secs(3));
+    let first = post(proxy.address, "/outage", "long", "{}").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.headers["idempotency-replayable"], "false");
+    healing.await.unwrap();
+    // The claim's lease (2 s) has ended by now: the retry recovers it.
+    let mut retry = post(proxy.address, "/outage", "long", "{}").await;
+    for _ in 0..100 {
+        if retry.status != StatusCode::CONFLICT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        retry = post(proxy.address, "/outage", "long", "{}").await;
+    }
+    assert_eq!(retry.status, StatusCode::BAD_GATEWAY, "{}", retry.body);
+    assert_eq!(problem_type(&retry), "outcome-unknown");
+    assert_eq!(upstream.calls.get("/outage"), 2, "one call per key");
 }

@@ -1,9 +1,12 @@
 //! What draft-ietf-httpapi-idempotency-key-header defines, as pure
-//! functions for the HTTP proxy face: the `Idempotency-Key` header's value,
-//! the record a keyed request maps to (scoped by method, route and caller,
-//! so two clients' keys never collide), the payload fingerprint (RFC 8785
-//! canonical JSON, so key order and whitespace do not matter), which
-//! responses are kept for replay, and their stored form.
+//! functions for the HTTP proxy face: the `Idempotency-Key` header's value
+//! (the draft's quoted string, or Stripe's bare token), the record a keyed
+//! request maps to (scoped by method, route and caller — a hash of the
+//! caller's credentials by default — so two clients' keys never collide),
+//! the payload fingerprint (RFC 8785 canonical JSON, so key order and
+//! whitespace do not matter, except for numbers JSON's doubles cannot hold),
+//! which responses are kept for replay, and what is stored: a response, or
+//! the fact that the request's outcome is unknown.
 
 use http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use sha2::{Digest, Sha256};
@@ -87,9 +90,15 @@ pub const MAX_KEY_CHARS: usize = 255;
 /// Why an `Idempotency-Key` header is refused (answered 400).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KeyProblem {
-    /// Not an RFC 8941 sf-string (`"..."`).
-    #[error("Idempotency-Key must be a quoted structured-field string, e.g. \"8e03978e-40d5-43e8-bc93-6894a57f9324\": {0}")]
-    NotAString(String),
+    /// Neither an RFC 8941 sf-string (`"..."`) nor, unless the syntax is
+    /// strict, a bare token.
+    #[error("Idempotency-Key must be a quoted structured-field string, e.g. \"8e03978e-40d5-43e8-bc93-6894a57f9324\"{bare}: {detail}", bare = if *.strict { "" } else { ", or a bare key of visible ASCII characters without quotes, commas or spaces" }, detail = .detail)]
+    Malformed {
+        /// Whether only the draft's quoted form is accepted.
+        strict: bool,
+        /// What is wrong with it.
+        detail: String,
+    },
     /// `""`.
     #[error("Idempotency-Key must not be empty")]
     Empty,
@@ -98,54 +107,123 @@ pub enum KeyProblem {
     TooLong(usize),
 }
 
+/// Which spellings of a key are accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeySyntax {
+    /// The draft's quoted sf-string, or a bare token of visible ASCII
+    /// without quotes, commas or whitespace (what Stripe's SDKs and most
+    /// clients send); both spellings of one key are the same key.
+    #[default]
+    Lenient,
+    /// The draft's quoted sf-string only (`--strict-key-syntax`).
+    Strict,
+}
+
 /// A client's idempotency key, checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdempotencyKey(String);
 
 impl IdempotencyKey {
-    /// Parses the header value: an sf-string of 1 to 255 characters.
-    pub fn parse(value: &HeaderValue) -> Result<IdempotencyKey, KeyProblem> {
-        let item: sfv::Item = sfv::Parser::new(value.as_bytes())
-            .parse()
-            .map_err(|error| KeyProblem::NotAString(error.to_string()))?;
-        let Some(text) = item.bare_item.as_string() else {
-            return Err(KeyProblem::NotAString(format!(
-                "{:?} is not a string",
-                String::from_utf8_lossy(value.as_bytes())
-            )));
+    /// Parses the header value: 1 to 255 characters, as an sf-string or,
+    /// with [`KeySyntax::Lenient`], as a bare token. `abc` and `"abc"` are
+    /// the same key.
+    pub fn parse(value: &HeaderValue, syntax: KeySyntax) -> Result<IdempotencyKey, KeyProblem> {
+        let strict = syntax == KeySyntax::Strict;
+        let malformed = |detail: String| KeyProblem::Malformed { strict, detail };
+        let quoted = sfv::Parser::new(value.as_bytes())
+            .parse::<sfv::Item>()
+            .map_err(|error| error.to_string())
+            .and_then(|item| match item.bare_item.as_string() {
+                Some(text) => Ok(text.as_str().to_owned()),
+                None => Err(format!(
+                    "{:?} is not a string",
+                    String::from_utf8_lossy(value.as_bytes())
+                )),
+            });
+        let text = match (quoted, syntax) {
+            (Ok(text), _) => text,
+            (Err(detail), KeySyntax::Strict) => return Err(malformed(detail)),
+            (Err(_), KeySyntax::Lenient) => {
+                let bare = value.as_bytes();
+                if bare.first() == Some(&b'"') {
+                    return Err(malformed(
+                        "an unterminated or malformed quoted string".into(),
+                    ));
+                }
+                if let Some(byte) = bare.iter().find(|byte| !is_bare_key_byte(**byte)) {
+                    return Err(malformed(format!(
+                        "{:?} may not appear in a bare key",
+                        char::from(*byte)
+                    )));
+                }
+                String::from_utf8_lossy(bare).into_owned()
+            }
         };
-        let text = text.as_str();
         match text.chars().count() {
             0 => Err(KeyProblem::Empty),
             length if length > MAX_KEY_CHARS => Err(KeyProblem::TooLong(length)),
-            _ => Ok(IdempotencyKey(text.to_owned())),
+            _ => Ok(IdempotencyKey(text)),
         }
     }
 
-    /// A gRPC `idempotency-key` metadata value: an sf-string as over HTTP,
-    /// or the bare value (metadata is not a structured field), 1 to 255
-    /// visible ASCII characters.
-    pub fn parse_metadata(value: &HeaderValue) -> Result<IdempotencyKey, KeyProblem> {
-        if let Ok(key) = IdempotencyKey::parse(value) {
-            return Ok(key);
-        }
-        let text = value
-            .to_str()
-            .map_err(|_| KeyProblem::NotAString("not visible ASCII".into()))?
-            .trim();
-        match text.len() {
-            0 => Err(KeyProblem::Empty),
-            length if length > MAX_KEY_CHARS => Err(KeyProblem::TooLong(length)),
-            _ if text.starts_with('"') => Err(KeyProblem::NotAString(format!(
-                "{text:?} is an unterminated string"
-            ))),
-            _ => Ok(IdempotencyKey(text.to_owned())),
-        }
-    }
-
-    /// The key as the client sent it (without the quotes).
+    /// The key as the client meant it (without the quotes).
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+}
+
+/// Visible ASCII except the quote and the comma, which would make a bare
+/// key look like (part of) a structured field.
+fn is_bare_key_byte(byte: u8) -> bool {
+    matches!(byte, b'!'..=b'~') && byte != b'"' && byte != b','
+}
+
+/// Who a record belongs to, besides method and route: what the proxy hashes
+/// into every key's scope so that two callers never share a record.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum CallerScope {
+    /// The request's credentials: every `Authorization` value, or, when
+    /// there is none, every `Cookie` value (the default).
+    #[default]
+    Credentials,
+    /// Every value of these headers, in order (`--scope-header`).
+    Headers(Vec<HeaderName>),
+    /// Nobody: every caller shares records (`--scope none`).
+    Shared,
+}
+
+impl CallerScope {
+    /// A SHA-256 of the caller's identity as this scope sees it, or `None`
+    /// when the request carries none (an anonymous caller).
+    pub fn identity(&self, headers: &HeaderMap) -> Option<[u8; 32]> {
+        let names: Vec<HeaderName> = match self {
+            CallerScope::Shared => return None,
+            CallerScope::Headers(names) => names.clone(),
+            CallerScope::Credentials if headers.contains_key(header::AUTHORIZATION) => {
+                vec![header::AUTHORIZATION]
+            }
+            CallerScope::Credentials if headers.contains_key(header::COOKIE) => {
+                vec![header::COOKIE]
+            }
+            CallerScope::Credentials => return None,
+        };
+        if names.iter().all(|name| !headers.contains_key(name)) {
+            return None;
+        }
+        let mut hash = Sha256::new();
+        for name in &names {
+            // The name and the number of values first: "no header" and "one
+            // empty value" differ, and values cannot slide between headers.
+            let values = headers.get_all(name);
+            hash.update((name.as_str().len() as u64).to_be_bytes());
+            hash.update(name.as_str());
+            hash.update((values.iter().count() as u64).to_be_bytes());
+            for value in values {
+                hash.update((value.len() as u64).to_be_bytes());
+                hash.update(value.as_bytes());
+            }
+        }
+        Some(hash.finalize().into())
     }
 }
 
@@ -158,7 +236,7 @@ pub struct Scope<'a> {
     /// The route: the request path (the query is part of the fingerprint,
     /// not of the scope, so a retry with another query is a mismatch).
     pub route: &'a str,
-    /// The caller's identity (the value of `--scope-header`), when set.
+    /// The caller's identity ([`CallerScope::identity`]), if any.
     pub caller: Option<&'a [u8]>,
 }
 
@@ -184,7 +262,10 @@ impl Scope<'_> {
 
 /// The payload fingerprint: SHA-256 over the method, path, query and body,
 /// with a JSON body (by its `Content-Type`) in RFC 8785 canonical form. A
-/// body that claims JSON but does not parse is taken byte for byte.
+/// body that claims JSON but does not parse is taken byte for byte. A
+/// number an IEEE double (what RFC 8785 writes) cannot hold exactly — an
+/// ID such as 9007199254740993 — keeps its exact value ([`exact_numbers`]),
+/// so it never fingerprints equal to its nearest double.
 pub fn fingerprint(
     method: &Method,
     path: &str,
@@ -192,8 +273,9 @@ pub fn fingerprint(
     headers: &HeaderMap,
     body: &[u8],
 ) -> String {
+    let exact = is_json(headers).then(|| exact_numbers(body)).flatten();
     let canonical = is_json(headers)
-        .then(|| serde_json::from_slice::<serde_json::Value>(body).ok())
+        .then(|| serde_json::from_slice::<serde_json::Value>(exact.as_deref().unwrap_or(body)).ok())
         .flatten()
         .and_then(|value| serde_jcs::to_vec(&value).ok());
     let mut hash = Sha256::new();
@@ -207,6 +289,92 @@ pub fn fingerprint(
         hash.update(part);
     }
     hex(&hash.finalize())
+}
+
+/// The JSON text `body` with every number that does not mean exactly the
+/// value of the double it parses to (as `10`, `1e1` and `0.5` do, and `0.1`
+/// does by JSON's own rule that it is the nearest double) written as a
+/// string of its exact decimal value (`"\u0000number:9007199254740993e0"`),
+/// so that canonical JSON keeps it apart from its neighbours while key
+/// order and spacing still do not matter; `None` when there is no such
+/// number (or the text is not JSON: the parser decides then). A client
+/// could only make its own payloads collide with such a string.
+fn exact_numbers(body: &[u8]) -> Option<Vec<u8>> {
+    let mut rewritten: Option<Vec<u8>> = None;
+    let mut copied = 0;
+    let mut position = 0;
+    let mut in_string = false;
+    while position < body.len() {
+        let byte = body[position];
+        if in_string {
+            match byte {
+                b'\\' => position += 1,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            position += 1;
+            continue;
+        }
+        match byte {
+            b'"' => {
+                in_string = true;
+                position += 1;
+            }
+            b'-' | b'0'..=b'9' => {
+                let start = position;
+                while position < body.len()
+                    && matches!(
+                        body[position],
+                        b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9'
+                    )
+                {
+                    position += 1;
+                }
+                let text = std::str::from_utf8(&body[start..position]).ok()?;
+                let double = text.parse::<f64>().ok()?;
+                let exact = decimal(text);
+                if double.is_finite() && exact == decimal(&format!("{double:e}")) {
+                    continue;
+                }
+                let out = rewritten.get_or_insert_with(Vec::new);
+                out.extend_from_slice(&body[copied..start]);
+                let (negative, digits, exponent) = exact;
+                let sign = if negative { "-" } else { "" };
+                out.extend_from_slice(
+                    format!("\"\\u0000number:{sign}{digits}e{exponent}\"").as_bytes(),
+                );
+                copied = position;
+            }
+            _ => position += 1,
+        }
+    }
+    let mut out = rewritten?;
+    out.extend_from_slice(&body[copied..]);
+    Some(out)
+}
+
+/// A decimal number's value as (negative, significant digits, exponent of
+/// the last digit), so `1e1`, `10` and `10.0` compare equal; zero is one
+/// value whatever its sign.
+fn decimal(text: &str) -> (bool, String, i64) {
+    let (negative, text) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text),
+    };
+    let (mantissa, exponent) = match text.find(['e', 'E']) {
+        Some(at) => (&text[..at], text[at + 1..].parse::<i64>().unwrap_or(0)),
+        None => (text, 0),
+    };
+    let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let digits = format!("{whole}{fraction}");
+    let mut exponent = exponent - fraction.len() as i64;
+    let trimmed = digits.trim_start_matches('0');
+    let without_trailing = trimmed.trim_end_matches('0');
+    exponent += (trimmed.len() - without_trailing.len()) as i64;
+    if without_trailing.is_empty() {
+        return (false, String::new(), 0);
+    }
+    (negative, without_trailing.to_owned(), exponent)
 }
 
 fn is_json(headers: &HeaderMap) -> bool {
@@ -270,6 +438,36 @@ pub fn end_to_end(headers: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
         .collect()
 }
 
+/// The end-to-end headers of an upstream answer that may be stored and
+/// replayed: never `Set-Cookie` (a session given to the first caller is not
+/// handed to whoever retries), nor any header in `never_store`
+/// (`--never-store-header`).
+pub fn storable(headers: &HeaderMap, never_store: &[HeaderName]) -> Vec<(HeaderName, HeaderValue)> {
+    end_to_end(headers)
+        .into_iter()
+        .filter(|(name, _)| may_store(name, never_store))
+        .collect()
+}
+
+/// Whether a response header may be stored and replayed (see [`storable`]).
+pub fn may_store(name: &HeaderName, never_store: &[HeaderName]) -> bool {
+    *name != header::SET_COOKIE && !never_store.contains(name)
+}
+
+/// What a keyed request's record holds once it is settled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stored {
+    /// The upstream's answer, replayed to retries.
+    Response(StoredResponse),
+    /// The request may have reached the upstream, but no complete answer
+    /// came back (a timeout, a reset, or the proxy died while it waited):
+    /// it is never forwarded again, and retries are told to reconcile.
+    OutcomeUnknown {
+        /// Why, for the retries' answer.
+        reason: String,
+    },
+}
+
 /// A response kept for replay.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredResponse {
@@ -289,7 +487,38 @@ pub struct StoredResponse {
 #[error("stored response is malformed: {0}")]
 pub struct DecodeError(&'static str);
 
+/// The first byte of a stored [`Stored::Response`] (the only form before
+/// outcome-unknown records existed, so older records still decode).
 const FORMAT_VERSION: u8 = 1;
+/// The first byte of a stored [`Stored::OutcomeUnknown`].
+const OUTCOME_UNKNOWN: u8 = 2;
+
+impl Stored {
+    /// Encodes it for the record's response field.
+    pub fn encode(&self) -> Vec<u8> {
+        match self {
+            Stored::Response(response) => response.encode(),
+            Stored::OutcomeUnknown { reason } => {
+                let mut out = vec![OUTCOME_UNKNOWN];
+                put(&mut out, reason.as_bytes());
+                out
+            }
+        }
+    }
+
+    /// The inverse of [`Stored::encode`].
+    pub fn decode(bytes: &[u8]) -> Result<Stored, DecodeError> {
+        if bytes.first() != Some(&OUTCOME_UNKNOWN) {
+            return StoredResponse::decode(bytes).map(Stored::Response);
+        }
+        let mut input = Reader(&bytes[1..]);
+        let reason = String::from_utf8_lossy(input.field()?).into_owned();
+        if !input.0.is_empty() {
+            return Err(DecodeError("trailing bytes"));
+        }
+        Ok(Stored::OutcomeUnknown { reason })
+    }
+}
 
 impl StoredResponse {
     /// Encodes it for the record's response field: a version byte, the
@@ -396,11 +625,15 @@ mod tests {
     use super::*;
 
     fn key(text: &str) -> Result<IdempotencyKey, KeyProblem> {
-        IdempotencyKey::parse(&HeaderValue::from_str(text).unwrap())
+        IdempotencyKey::parse(&HeaderValue::from_str(text).unwrap(), KeySyntax::Strict)
+    }
+
+    fn lenient(text: &str) -> Result<IdempotencyKey, KeyProblem> {
+        IdempotencyKey::parse(&HeaderValue::from_str(text).unwrap(), KeySyntax::Lenient)
     }
 
     #[test]
-    fn a_key_is_a_quoted_string_of_1_to_255_characters() {
+    fn a_strict_key_is_a_quoted_string_of_1_to_255_characters() {
         assert_eq!(key("\"abc-123\"").unwrap().as_str(), "abc-123");
         assert_eq!(
             key(&format!("\"{}\"", "k".repeat(255)))
@@ -415,11 +648,112 @@ mod tests {
             Err(KeyProblem::TooLong(256))
         );
         for bad in ["abc", "42", "\"unterminated", "\"a\", \"b\"", ":Ynl0ZXM=:"] {
+            let refused = key(bad);
             assert!(
-                matches!(key(bad), Err(KeyProblem::NotAString(_))),
+                matches!(refused, Err(KeyProblem::Malformed { strict: true, .. })),
                 "{bad} was accepted"
             );
+            assert!(
+                !refused.unwrap_err().to_string().contains("bare"),
+                "the strict message offers the bare form"
+            );
         }
+    }
+
+    #[test]
+    fn a_bare_key_is_the_same_key_as_its_quoted_spelling() {
+        let uuid = "8e03978e-40d5-43e8-bc93-6894a57f9324";
+        assert_eq!(
+            lenient(uuid).unwrap(),
+            lenient(&format!("\"{uuid}\"")).unwrap()
+        );
+        assert_eq!(lenient(uuid).unwrap().as_str(), uuid);
+        for bare in [
+            "42",
+            "abc",
+            ":Ynl0ZXM=:",
+            "order/7#1",
+            "a;b=c",
+            "~!$%&'()*+-./:<=>?@[]^_`{|}",
+        ] {
+            assert_eq!(lenient(bare).unwrap().as_str(), bare, "{bare}");
+        }
+        assert_eq!(lenient(&"k".repeat(255)).unwrap().as_str().len(), 255);
+        assert_eq!(lenient(&"k".repeat(256)), Err(KeyProblem::TooLong(256)));
+        assert_eq!(lenient(""), Err(KeyProblem::Empty));
+        for bad in ["a b", "a,b", "\"open", "a\"b", "\"a\", \"b\"", "tab\there"] {
+            assert!(
+                matches!(
+                    lenient(bad),
+                    Err(KeyProblem::Malformed { strict: false, .. })
+                ),
+                "{bad:?} was accepted"
+            );
+        }
+        // Non-ASCII bytes are no bare key either.
+        let latin1 = HeaderValue::from_bytes(b"caf\xe9").unwrap();
+        assert!(IdempotencyKey::parse(&latin1, KeySyntax::Lenient).is_err());
+    }
+
+    #[test]
+    fn callers_are_told_apart_by_their_credentials_by_default() {
+        let headers = |pairs: &[(&str, &str)]| {
+            let mut map = HeaderMap::new();
+            for (name, value) in pairs {
+                map.append(
+                    HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                    HeaderValue::from_str(value).unwrap(),
+                );
+            }
+            map
+        };
+        let by_credentials = CallerScope::Credentials;
+        let alice = by_credentials.identity(&headers(&[("authorization", "Bearer alice")]));
+        let bob = by_credentials.identity(&headers(&[("authorization", "Bearer bob")]));
+        assert!(alice.is_some());
+        assert_ne!(alice, bob);
+        // Authorization wins over cookies; cookies count without it.
+        assert_eq!(
+            alice,
+            by_credentials.identity(&headers(&[
+                ("authorization", "Bearer alice"),
+                ("cookie", "session=x")
+            ]))
+        );
+        let session_x = by_credentials.identity(&headers(&[("cookie", "session=x")]));
+        let session_y = by_credentials.identity(&headers(&[("cookie", "session=y")]));
+        assert!(session_x.is_some());
+        assert_ne!(session_x, session_y);
+        assert_eq!(by_credentials.identity(&headers(&[("x-other", "1")])), None);
+        // Every value counts, in order.
+        let two = by_credentials.identity(&headers(&[
+            ("authorization", "Bearer alice"),
+            ("authorization", "Bearer mallory"),
+        ]));
+        assert_ne!(two, alice);
+        let by_tenant = CallerScope::Headers(vec![
+            HeaderName::from_static("x-tenant"),
+            HeaderName::from_static("x-user"),
+        ]);
+        let tenant = by_tenant.identity(&headers(&[("x-tenant", "t1"), ("x-user", "u1")]));
+        assert!(tenant.is_some());
+        for other in [
+            headers(&[("x-tenant", "t1"), ("x-user", "u2")]),
+            headers(&[("x-tenant", "t1"), ("x-user", "u1"), ("x-user", "u3")]),
+            headers(&[("x-tenant", "t1")]),
+            headers(&[("x-tenant", "t1u1")]),
+        ] {
+            assert_ne!(by_tenant.identity(&other), tenant, "{other:?}");
+        }
+        // Credentials do not count once headers are named.
+        assert_eq!(
+            by_tenant.identity(&headers(&[("authorization", "Bearer alice")])),
+            None
+        );
+        assert_eq!(
+            CallerScope::Shared.identity(&headers(&[("authorization", "Bearer alice")])),
+            None
+        );
     }
 
     #[test]
@@ -553,14 +887,98 @@ mod tests {
     }
 
     #[test]
-    fn grpc_metadata_keys_may_be_bare() {
-        let parse =
-            |text: &str| IdempotencyKey::parse_metadata(&HeaderValue::from_str(text).unwrap());
-        assert_eq!(parse("order-1").unwrap().as_str(), "order-1");
-        assert_eq!(parse("\"order-1\"").unwrap().as_str(), "order-1");
-        assert_eq!(parse(""), Err(KeyProblem::Empty));
-        assert!(parse("\"open").is_err());
-        assert_eq!(parse(&"k".repeat(256)), Err(KeyProblem::TooLong(256)));
+    fn numbers_a_double_cannot_hold_are_fingerprinted_from_their_text() {
+        let order =
+            |body: &[u8]| fingerprint(&Method::POST, "/orders", None, &json_headers(), body);
+        // 2^53 + 1 parses to the same double as 2^53.
+        assert_ne!(
+            order(br#"{"id":9007199254740993}"#),
+            order(br#"{"id":9007199254740992}"#)
+        );
+        assert_ne!(order(b"[0.30000000000000000001]"), order(b"[0.3]"));
+        // Exactly representable spellings still canonicalise together.
+        assert_eq!(
+            order(br#"{"id":9007199254740992}"#),
+            order(br#"{"id": 9007199254740992}"#)
+        );
+        assert_eq!(order(b"[10, 0.5, -0, 1E2]"), order(b"[1e1,5e-1,0,100.0]"));
+        // Digits inside strings are not numbers.
+        assert_eq!(
+            order(br#"{"b":"9007199254740993","a":1}"#),
+            order(br#"{"a":1,"b":"9007199254740993"}"#)
+        );
+        // Nor do escaped quotes end a string early.
+        assert_eq!(
+            exact_numbers(br#"{"a":"\\\"9007199254740993","b":0.1}"#),
+            None
+        );
+        assert_eq!(
+            exact_numbers(br#"{"a":"\\","b":18446744073709551615}"#).unwrap(),
+            br#"{"a":"\\","b":"\u0000number:18446744073709551615e0"}"#
+        );
+        // Big numbers still canonicalise whatever the spacing and key order,
+        // and by value.
+        assert_eq!(
+            order(br#"{"id":9007199254740993,"n":1}"#),
+            order(br#"{ "n": 1, "id": 90071992547409930e-1 }"#)
+        );
+    }
+
+    #[test]
+    fn decimals_compare_by_value() {
+        assert_eq!(decimal("10"), decimal("1e1"));
+        assert_eq!(decimal("100.0"), decimal("1E2"));
+        assert_eq!(decimal("0.5"), decimal("5e-1"));
+        assert_eq!(decimal("-0"), decimal("0.000"));
+        assert_ne!(decimal("-1"), decimal("1"));
+        assert_ne!(decimal("9007199254740993"), decimal("9.007199254740992e15"));
+    }
+
+    #[test]
+    fn set_cookie_and_named_headers_are_never_stored() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        headers.append(
+            header::SET_COOKIE,
+            HeaderValue::from_static("session=alice"),
+        );
+        headers.insert("x-session-token", HeaderValue::from_static("secret"));
+        headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        let never = [HeaderName::from_static("x-session-token")];
+        let kept: Vec<String> = storable(&headers, &never)
+            .iter()
+            .map(|(name, _)| name.to_string())
+            .collect();
+        assert_eq!(kept, ["content-type"]);
+        assert!(storable(&headers, &[])
+            .iter()
+            .any(|(name, _)| name == "x-session-token"));
+    }
+
+    #[test]
+    fn an_unknown_outcome_round_trips_and_old_records_still_decode() {
+        let unknown = Stored::OutcomeUnknown {
+            reason: "the service did not answer within 1s".into(),
+        };
+        assert_eq!(Stored::decode(&unknown.encode()).unwrap(), unknown);
+        let bytes = unknown.encode();
+        for cut in 0..bytes.len() {
+            assert!(Stored::decode(&bytes[..cut]).is_err(), "cut at {cut}");
+        }
+        let response = StoredResponse {
+            status: StatusCode::CREATED,
+            headers: Vec::new(),
+            body: Some(b"{}".to_vec()),
+            trailers: Vec::new(),
+        };
+        // A response record written before this form existed.
+        assert_eq!(
+            Stored::decode(&response.encode()).unwrap(),
+            Stored::Response(response)
+        );
     }
 
     #[test]

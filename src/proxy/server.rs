@@ -4,30 +4,55 @@
 //! release the key); everything else streams straight to the upstream.
 //! HTTP/1.1 and HTTP/2 (prior knowledge) on one listener; the upstream is
 //! called over HTTP/1.1, or HTTP/2 for gRPC.
+//!
+//! The rule that matters: once any byte of a keyed request may have reached
+//! the upstream, the proxy never sends it again. The key is released only
+//! when the request provably never left (the connection to the upstream
+//! could not be made) or the upstream's answer says it did not act (5xx,
+//! 408, 409, 425, 429). A timeout, a reset or an unreadable answer commits
+//! an "outcome unknown" record instead, and so does a claim recovered from
+//! a proxy that died mid-request: retries are told to reconcile, not
+//! forwarded (`--after-unknown-outcome retry` opts out, for upstreams that
+//! are idempotent themselves).
+//!
+//! Answers stream: up to `--max-response-bytes` is gathered (and, if the
+//! answer ends there, committed before it is returned, so a retry always
+//! finds it); a longer one is recorded as processed but not replayable and
+//! passed on as it arrives.
 
-use std::{convert::Infallible, future::Future, sync::Arc, time::Duration};
+use std::{
+    convert::Infallible,
+    future::Future,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::{header, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Uri};
-use http_body_util::{combinators::BoxBody, BodyExt, Full, Limited, StreamBody};
-use hyper::body::Frame;
-use hyper::body::Incoming;
+use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
 use hyper_util::{
     client::legacy::{connect::HttpConnector, Client},
-    rt::{TokioExecutor, TokioIo},
+    rt::{TokioExecutor, TokioIo, TokioTimer},
 };
 use serde_json::json;
-use tokio::net::TcpListener;
+use tokio::{
+    net::TcpListener,
+    sync::{OwnedSemaphorePermit, Semaphore},
+};
+use tonic::transport::server::Connected;
 
 use super::idempotency::{
-    end_to_end, fingerprint, is_replayable, is_replayable_grpc, IdempotencyKey, RoutePattern,
-    Scope, StoredResponse,
+    end_to_end, fingerprint, is_replayable, is_replayable_grpc, may_store, storable, CallerScope,
+    IdempotencyKey, KeySyntax, RoutePattern, Scope, Stored, StoredResponse,
 };
 use crate::{
     domain::{
         ClaimOutcome, ClaimRequest, CommitRequest, Key, LeaseToken, ReleaseRequest, RenewRequest,
     },
     engine::Engine,
+    error::Error,
+    server::{ConnectionLimits, MAX_LOCAL_ERROR_RESET_STREAMS, MAX_PENDING_RESET_STREAMS},
     store::Store,
 };
 
@@ -35,12 +60,39 @@ use crate::{
 pub const REPLAYED: &str = "idempotent-replayed";
 /// The header telling when a replayable key expires (an HTTP date).
 pub const EXPIRES: &str = "idempotency-key-expires";
+/// Set to `false` on an upstream answer that could not be stored (the
+/// store did not answer in time): a retry will not get it replayed, but
+/// will not be forwarded either (it is answered `outcome-unknown`).
+pub const REPLAYABLE: &str = "idempotency-replayable";
 
 /// How long requests in progress may take to finish once shutdown begins.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 /// The longest `Retry-After` suggested while a key's first request runs.
 const IN_FLIGHT_RETRY: Duration = Duration::from_secs(1);
+
+/// Bytes of keyed request bodies the proxy holds at once, over every
+/// connection (raised to one `--max-request-bytes`): past it, a keyed
+/// request is answered 503 rather than buffered, so many large bodies
+/// arriving together cannot exhaust the pod's memory.
+pub const KEYED_BODY_BUDGET_BYTES: usize = 64 << 20;
+
+/// The largest request head (HTTP/1 request line and headers; HTTP/2
+/// header list): generous for cookies and tokens, far below hyper's ~400 KB.
+pub const MAX_HEAD_BYTES: usize = 64 << 10;
+
+/// What to do when a keyed request's outcome is unknown: it may have
+/// reached the upstream, but no complete answer came back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AfterUnknownOutcome {
+    /// Record "outcome unknown": the request is never sent again for this
+    /// key, and retries are answered 502 `outcome-unknown` (at most once).
+    #[default]
+    Report,
+    /// Release the key so a retry sends it again (at least once): only for
+    /// upstreams that deduplicate themselves.
+    Retry,
+}
 
 /// How the proxy treats requests.
 #[derive(Debug, Clone)]
@@ -51,30 +103,56 @@ pub struct ProxyConfig {
     pub namespace: String,
     /// Methods whose keyed requests are deduplicated.
     pub methods: Vec<Method>,
-    /// A header identifying the caller, hashed into the key's scope.
-    pub scope_header: Option<HeaderName>,
+    /// Who a record belongs to besides method and route (by default a hash
+    /// of the caller's credentials).
+    pub scope: CallerScope,
+    /// Response headers never stored or replayed besides `Set-Cookie`.
+    pub never_store: Vec<HeaderName>,
+    /// Which spellings of `Idempotency-Key` are accepted.
+    pub key_syntax: KeySyntax,
     /// Where a deduplicated method without a key is refused (400).
     pub require_key: Vec<RoutePattern>,
     /// The lease taken while the upstream works (renewed at a third of it).
     pub lease_ttl: Duration,
     /// How long a replayable response is kept.
     pub retention: Duration,
-    /// The largest response kept for replay; larger ones are returned but
-    /// not replayable.
+    /// The largest response kept for replay; larger ones stream through and
+    /// are recorded as not replayable.
     pub max_response_bytes: usize,
     /// The largest keyed request body (it is buffered to fingerprint it).
     pub max_request_bytes: usize,
-    /// The longest the upstream may take to answer a keyed request.
+    /// The longest the upstream may take to answer a keyed request (its
+    /// head and up to `max_response_bytes` of its body), and the longest a
+    /// streamed answer may pause.
     pub upstream_timeout: Duration,
     /// How long a retry waits for the first request's result (then
     /// replays it) instead of answering 409 at once; zero: no wait.
     pub wait_in_flight: Duration,
+    /// What a timeout, a reset or a dead proxy leaves behind.
+    pub after_unknown_outcome: AfterUnknownOutcome,
+    /// The longest a client may take to send a request head (and the
+    /// longest an HTTP/1 connection may sit idle between requests).
+    pub header_timeout: Duration,
+    /// The longest a client may take to send a keyed request's body.
+    pub body_timeout: Duration,
+    /// The process's connection limits, shared with the gRPC listeners.
+    pub connections: ConnectionLimits,
 }
 
 /// How often a waiting retry looks again while the first request runs.
 const IN_FLIGHT_POLL: Duration = Duration::from_millis(20);
 
-type ProxyBody = BoxBody<Bytes, hyper::Error>;
+/// Why a body broke off (a concrete type: hyper's server bounds are not
+/// met by a boxed `dyn Error` inside a spawned connection).
+#[derive(Debug, thiserror::Error)]
+enum BodyError {
+    #[error(transparent)]
+    Hyper(#[from] hyper::Error),
+    #[error("the upstream paused longer than the upstream timeout")]
+    Paused,
+}
+
+type ProxyBody = BoxBody<Bytes, BodyError>;
 
 struct Proxy<S> {
     engine: Engine<S>,
@@ -83,6 +161,8 @@ struct Proxy<S> {
     http1: Client<HttpConnector, ProxyBody>,
     /// HTTP/2 (prior knowledge) to the upstream, for gRPC.
     http2: Client<HttpConnector, ProxyBody>,
+    /// [`KEYED_BODY_BUDGET_BYTES`], in bytes.
+    body_budget: Arc<Semaphore>,
 }
 
 /// What a request speaks, which decides how the proxy answers it.
@@ -111,10 +191,16 @@ impl Protocol {
 enum Rejection {
     InvalidKey(String),
     MissingKey(Method),
+    NotProxied(Method),
+    BadTarget,
     RequestTooLarge(usize),
+    BodyTimeout(Duration),
+    BodyUnreadable,
+    Overloaded,
     InProgress,
     PayloadMismatch,
     NotReplayable,
+    OutcomeUnknown(String),
     StoreUnavailable,
     UpstreamFailed(String),
     Internal(&'static str),
@@ -126,10 +212,14 @@ impl Rejection {
         match self {
             Rejection::InvalidKey(_) => "invalid_key",
             Rejection::MissingKey(_) => "missing_key",
+            Rejection::NotProxied(_) | Rejection::BadTarget => "bad_target",
             Rejection::RequestTooLarge(_) => "too_large",
+            Rejection::BodyTimeout(_) | Rejection::BodyUnreadable => "body_incomplete",
+            Rejection::Overloaded => "overloaded",
             Rejection::InProgress => "in_progress",
             Rejection::PayloadMismatch => "mismatch",
             Rejection::NotReplayable => "not_replayable",
+            Rejection::OutcomeUnknown(_) => "outcome_unknown",
             Rejection::StoreUnavailable => "store_unavailable",
             Rejection::UpstreamFailed(_) => "upstream_failed",
             Rejection::Internal(_) => "internal",
@@ -141,10 +231,11 @@ impl Rejection {
     fn response(self, protocol: Protocol) -> Response<ProxyBody> {
         use tonic::Code;
         // Worth retrying soon: the first request usually finishes well
-        // before its lease ends; a store outage is usually brief.
+        // before its lease ends; a store outage or an overload is usually
+        // brief.
         let retry_after = match self {
             Rejection::InProgress => Some(IN_FLIGHT_RETRY),
-            Rejection::StoreUnavailable => Some(Duration::from_secs(1)),
+            Rejection::StoreUnavailable | Rejection::Overloaded => Some(Duration::from_secs(1)),
             _ => None,
         };
         let (status, kind, code, detail) = match self {
@@ -160,11 +251,44 @@ impl Rejection {
                 Code::InvalidArgument,
                 format!("{method} requests to this service need an Idempotency-Key header"),
             ),
+            Rejection::NotProxied(method) => (
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method-not-proxied",
+                Code::Unimplemented,
+                format!("{method} is not proxied: dedupd is a reverse proxy for one service"),
+            ),
+            Rejection::BadTarget => (
+                StatusCode::BAD_REQUEST,
+                "bad-request-target",
+                Code::InvalidArgument,
+                "the request target must be a path (origin-form, e.g. /orders)".into(),
+            ),
             Rejection::RequestTooLarge(limit) => (
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "request-too-large",
                 Code::ResourceExhausted,
                 format!("a request with an Idempotency-Key may carry at most {limit} bytes"),
+            ),
+            Rejection::BodyTimeout(limit) => (
+                StatusCode::REQUEST_TIMEOUT,
+                "request-body-timeout",
+                Code::DeadlineExceeded,
+                format!(
+                    "the body of a request with an Idempotency-Key must arrive within {}; it was not forwarded",
+                    humantime::format_duration(limit)
+                ),
+            ),
+            Rejection::BodyUnreadable => (
+                StatusCode::BAD_REQUEST,
+                "request-body-incomplete",
+                Code::InvalidArgument,
+                "the request body ended early; it was not forwarded".into(),
+            ),
+            Rejection::Overloaded => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "overloaded",
+                Code::ResourceExhausted,
+                "the proxy is holding as many request bodies as it may; the request was not forwarded; retry later".into(),
             ),
             Rejection::InProgress => (
                 StatusCode::CONFLICT,
@@ -183,6 +307,14 @@ impl Rejection {
                 "response-not-replayable",
                 Code::FailedPrecondition,
                 "this Idempotency-Key's request was processed, but its response was too large to keep and cannot be replayed".into(),
+            ),
+            Rejection::OutcomeUnknown(reason) => (
+                StatusCode::BAD_GATEWAY,
+                "outcome-unknown",
+                Code::Unknown,
+                format!(
+                    "this Idempotency-Key's request may have reached the service, but no complete answer came back ({reason}); it will not be sent again with this key: check whether it took effect, then retry with a new key if it did not"
+                ),
             ),
             Rejection::StoreUnavailable => (
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -217,11 +349,14 @@ impl Rejection {
     }
 }
 
-/// Serves the proxy on `listener` until `shutdown` resolves.
+/// Serves the proxy on `listener` until `shutdown` resolves. Each
+/// connection holds one of `connection_slots` (the process's
+/// `--max-connections`, shared with the gRPC listeners).
 pub async fn serve<S: Store>(
     listener: TcpListener,
     engine: Engine<S>,
     config: ProxyConfig,
+    connection_slots: Arc<Semaphore>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let mut connector = HttpConnector::new();
@@ -230,28 +365,60 @@ pub async fn serve<S: Store>(
     let http2 = Client::builder(TokioExecutor::new())
         .http2_only(true)
         .build(connector);
+    let body_budget = Arc::new(Semaphore::new(
+        KEYED_BODY_BUDGET_BYTES.max(config.max_request_bytes),
+    ));
+    if config.scope == CallerScope::Shared {
+        tracing::warn!("--scope none: every caller shares the proxy's records, so anyone who sends a key gets the answer stored under it");
+    }
+    if config.after_unknown_outcome == AfterUnknownOutcome::Retry {
+        tracing::warn!("--after-unknown-outcome retry: a request whose outcome is unknown may reach the upstream again");
+    }
+    let first_bytes = config.header_timeout;
     let proxy = Arc::new(Proxy {
         engine,
         config,
         http1,
         http2,
+        body_budget,
     });
-    crate::listen::serve_tcp(
+    crate::listen::serve_tcp_capped(
         listener,
+        connection_slots,
+        first_bytes,
         shutdown,
         SHUTDOWN_GRACE,
-        |stream, peer, stopping| {
+        |stream, stopping| {
             let proxy = Arc::clone(&proxy);
             async move {
+                let peer = stream.connect_info().remote_addr();
+                let limits = proxy.config.connections;
+                let header_timeout = proxy.config.header_timeout;
                 let service = hyper::service::service_fn(move |request| {
                     let proxy = Arc::clone(&proxy);
                     async move { Ok::<_, Infallible>(proxy.handle(request).await) }
                 });
-                let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                let mut builder =
+                    hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                // hyper's head deadline needs a timer to be active at all.
+                builder
+                    .http1()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(header_timeout)
+                    .max_buf_size(MAX_HEAD_BYTES);
+                builder
+                    .http2()
+                    .timer(TokioTimer::new())
+                    .max_concurrent_streams(limits.max_streams_per_connection)
+                    .max_header_list_size(MAX_HEAD_BYTES as u32)
+                    .max_pending_accept_reset_streams(Some(MAX_PENDING_RESET_STREAMS))
+                    .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESET_STREAMS))
+                    .keep_alive_interval(Some(limits.keepalive_interval))
+                    .keep_alive_timeout(limits.keepalive_timeout);
                 let connection = builder.serve_connection(TokioIo::new(stream), service);
                 let ended = crate::listen::until_stopped(connection, &stopping).await;
                 if let Err(error) = ended {
-                    tracing::debug!(%peer, %error, "proxy connection ended with an error");
+                    tracing::debug!(?peer, %error, "proxy connection ended with an error");
                 }
             }
         },
@@ -283,9 +450,39 @@ impl Answer {
     }
 }
 
+/// Why a forwarded request got no answer head.
+enum ForwardError {
+    /// The request never left: no connection to the upstream could be made.
+    Unsent(String),
+    /// It may have reached the upstream.
+    MaybeSent(String),
+}
+
+/// An upstream answer's body, read up to `--max-response-bytes`.
+enum Gathered {
+    /// All of it.
+    Whole {
+        data: Bytes,
+        trailers: Option<http::HeaderMap>,
+    },
+    /// More than the limit: what was read, and the rest still to come.
+    Over { read: Bytes, rest: Incoming },
+    /// It broke off or stalled.
+    Failed(String),
+}
+
+/// Renews a lease at a third of its time until dropped.
+struct Renewals(tokio::task::JoinHandle<()>);
+
+impl Drop for Renewals {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 impl<S: Store> Proxy<S> {
     async fn handle(self: Arc<Self>, request: Request<Incoming>) -> Response<ProxyBody> {
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         let keyed = request.headers().contains_key("idempotency-key");
         let answer = Arc::clone(&self).answer(request).await;
         let metrics = self.engine.metrics();
@@ -298,11 +495,26 @@ impl<S: Store> Proxy<S> {
 
     async fn answer(self: Arc<Self>, request: Request<Incoming>) -> Answer {
         let protocol = Protocol::of(request.headers());
+        // Only origin-form targets (a path) name something on the upstream:
+        // CONNECT's authority-form and OPTIONS' asterisk-form do not.
+        if request.method() == Method::CONNECT {
+            return Answer::rejected(Rejection::NotProxied(Method::CONNECT), protocol);
+        }
+        if !request
+            .uri()
+            .path_and_query()
+            .is_some_and(|target| target.as_str().starts_with('/'))
+        {
+            return Answer::rejected(Rejection::BadTarget, protocol);
+        }
         let value = request.headers().get("idempotency-key").cloned();
         let parsed = match (protocol, value) {
-            (Protocol::Grpc, Some(value)) => Some(IdempotencyKey::parse_metadata(&value)),
+            // gRPC metadata is not a structured field: both spellings.
+            (Protocol::Grpc, Some(value)) => {
+                Some(IdempotencyKey::parse(&value, KeySyntax::Lenient))
+            }
             (Protocol::Http, Some(value)) if self.config.methods.contains(request.method()) => {
-                Some(IdempotencyKey::parse(&value))
+                Some(IdempotencyKey::parse(&value, self.config.key_syntax))
             }
             (Protocol::Http, None) if self.requires_key(request.method(), request.uri().path()) => {
                 return Answer::rejected(Rejection::MissingKey(request.method().clone()), protocol);
@@ -315,8 +527,11 @@ impl<S: Store> Proxy<S> {
                 Answer::rejected(Rejection::InvalidKey(problem.to_string()), protocol)
             }
             None => Answer::new(
-                self.pass_through(request.map(|body| body.boxed()), protocol)
-                    .await,
+                self.pass_through(
+                    request.map(|body| body.map_err(BodyError::from).boxed()),
+                    protocol,
+                )
+                .await,
                 "passed_through",
             ),
         }
@@ -338,8 +553,10 @@ impl<S: Store> Proxy<S> {
         protocol: Protocol,
     ) -> Response<ProxyBody> {
         match self.forward(request, protocol).await {
-            Ok(response) => client_response(response.map(|body| body.boxed())),
-            Err(error) => {
+            Ok(response) => {
+                client_response(response.map(|body| body.map_err(BodyError::from).boxed()))
+            }
+            Err(ForwardError::Unsent(error) | ForwardError::MaybeSent(error)) => {
                 tracing::warn!(%error, "upstream unreachable");
                 Rejection::UpstreamFailed("the upstream service did not answer".into())
                     .response(protocol)
@@ -351,12 +568,13 @@ impl<S: Store> Proxy<S> {
         &self,
         mut request: Request<ProxyBody>,
         protocol: Protocol,
-    ) -> Result<Response<Incoming>, hyper_util::client::legacy::Error> {
+    ) -> Result<Response<Incoming>, ForwardError> {
         let mut parts = self.config.upstream.clone().into_parts();
         parts.path_and_query = request.uri().path_and_query().cloned();
-        *request.uri_mut() = Uri::from_parts(parts).expect("upstream URI with the request's path");
+        *request.uri_mut() = Uri::from_parts(parts)
+            .map_err(|error| ForwardError::Unsent(format!("no upstream URI: {error}")))?;
         strip_hop_by_hop(request.headers_mut());
-        match protocol {
+        let sent = match protocol {
             Protocol::Http => {
                 *request.version_mut() = http::Version::HTTP_11;
                 self.http1.request(request).await
@@ -370,7 +588,51 @@ impl<S: Store> Proxy<S> {
                     .insert(header::TE, HeaderValue::from_static("trailers"));
                 self.http2.request(request).await
             }
+        };
+        sent.map_err(|error| {
+            // hyper-util says "connect" only when no connection was made
+            // (refused, DNS, connect timeout): nothing was written.
+            if error.is_connect() {
+                ForwardError::Unsent(error.to_string())
+            } else {
+                ForwardError::MaybeSent(error.to_string())
+            }
+        })
+    }
+
+    /// Reads a keyed request's body (it is fingerprinted and may be sent
+    /// again only as a whole): within `--max-request-bytes`, the body
+    /// deadline, and the proxy-wide body budget, whose bytes it holds until
+    /// dropped.
+    async fn read_keyed_body(
+        &self,
+        mut body: Incoming,
+    ) -> Result<(Bytes, OwnedSemaphorePermit), Rejection> {
+        let deadline = tokio::time::Instant::now() + self.config.body_timeout;
+        let mut held = Arc::clone(&self.body_budget)
+            .try_acquire_many_owned(0)
+            .map_err(|_| Rejection::Overloaded)?;
+        let mut data = BytesMut::new();
+        loop {
+            let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+                Err(_) => return Err(Rejection::BodyTimeout(self.config.body_timeout)),
+                Ok(None) => break,
+                Ok(Some(Err(_))) => return Err(Rejection::BodyUnreadable),
+                Ok(Some(Ok(frame))) => frame,
+            };
+            let Ok(chunk) = frame.into_data() else {
+                continue;
+            };
+            if data.len() + chunk.len() > self.config.max_request_bytes {
+                return Err(Rejection::RequestTooLarge(self.config.max_request_bytes));
+            }
+            let more = Arc::clone(&self.body_budget)
+                .try_acquire_many_owned(chunk.len() as u32)
+                .map_err(|_| Rejection::Overloaded)?;
+            held.merge(more);
+            data.extend_from_slice(&chunk);
         }
+        Ok((data.freeze(), held))
     }
 
     async fn keyed(
@@ -380,28 +642,15 @@ impl<S: Store> Proxy<S> {
         protocol: Protocol,
     ) -> Answer {
         let (parts, body) = request.into_parts();
-        let body = match Limited::new(body, self.config.max_request_bytes)
-            .collect()
-            .await
-        {
-            Ok(collected) => collected.to_bytes(),
-            Err(_) => {
-                return Answer::rejected(
-                    Rejection::RequestTooLarge(self.config.max_request_bytes),
-                    protocol,
-                )
-            }
+        let (body, _budget) = match self.read_keyed_body(body).await {
+            Ok(read) => read,
+            Err(rejection) => return Answer::rejected(rejection, protocol),
         };
-        let caller = self
-            .config
-            .scope_header
-            .as_ref()
-            .and_then(|name| parts.headers.get(name))
-            .map(HeaderValue::as_bytes);
+        let caller = self.config.scope.identity(&parts.headers);
         let scope = Scope {
             method: &parts.method,
             route: parts.uri.path(),
-            caller,
+            caller: caller.as_ref().map(|identity| &identity[..]),
         };
         // The namespace was checked with the configuration; the ID is 64 hex
         // characters.
@@ -418,10 +667,10 @@ impl<S: Store> Proxy<S> {
             &parts.headers,
             &body,
         );
-        // With --http-proxy-wait-in-flight, a retry that finds the first
-        // request running looks again until it ends (replayed, or released
-        // and so ours to run) or the wait is over.
-        let waiting_until = std::time::Instant::now() + self.config.wait_in_flight;
+        // With --wait-in-flight, a retry that finds the first request
+        // running looks again until it ends (replayed, or released and so
+        // ours to run) or the wait is over.
+        let waiting_until = Instant::now() + self.config.wait_in_flight;
         let outcome = loop {
             let outcome = match self.engine.claim(&claim).await {
                 Ok(outcome) => outcome,
@@ -430,7 +679,7 @@ impl<S: Store> Proxy<S> {
                     return Answer::rejected(Rejection::StoreUnavailable, protocol);
                 }
             };
-            let left = waiting_until.saturating_duration_since(std::time::Instant::now());
+            let left = waiting_until.saturating_duration_since(Instant::now());
             match outcome {
                 ClaimOutcome::InProgress { .. } if !left.is_zero() => {
                     tokio::time::sleep(left.min(IN_FLIGHT_POLL)).await;
@@ -439,16 +688,31 @@ impl<S: Store> Proxy<S> {
             }
         };
         match outcome {
-            ClaimOutcome::Claimed { record, .. } => {
+            ClaimOutcome::Claimed { record, recovered } => {
                 let request = Request::from_parts(parts, full(body));
                 // Detached: a client that disconnects does not stop the
                 // upstream call or its commit; its retry gets the replay.
                 let proxy = Arc::clone(&self);
                 let token = record.lease_token;
+                let report_unknown =
+                    recovered && self.config.after_unknown_outcome == AfterUnknownOutcome::Report;
                 let run = tokio::spawn(async move {
-                    proxy
-                        .first_request(record_key, token, request, protocol)
-                        .await
+                    if report_unknown {
+                        // The previous holder died (or lost its lease)
+                        // while it may have forwarded the request.
+                        proxy
+                            .unknown_outcome(
+                                record_key,
+                                token,
+                                "an earlier attempt's proxy stopped while the request may have been with the service".into(),
+                                protocol,
+                            )
+                            .await
+                    } else {
+                        proxy
+                            .first_request(record_key, token, request, protocol)
+                            .await
+                    }
                 });
                 match run.await {
                     Ok(answer) => answer,
@@ -458,9 +722,12 @@ impl<S: Store> Proxy<S> {
                     }
                 }
             }
-            ClaimOutcome::Duplicate { record } => {
-                replay(&record.response, record.retain_until.0, protocol)
-            }
+            ClaimOutcome::Duplicate { record } => replay(
+                &record.response,
+                record.retain_until.0,
+                protocol,
+                &self.config.never_store,
+            ),
             ClaimOutcome::InProgress { .. } => Answer::rejected(Rejection::InProgress, protocol),
             ClaimOutcome::FingerprintMismatch { .. } => {
                 Answer::rejected(Rejection::PayloadMismatch, protocol)
@@ -472,8 +739,29 @@ impl<S: Store> Proxy<S> {
         }
     }
 
+    /// Keeps the lease of `key` alive until the returned guard is dropped.
+    fn renew_lease(self: &Arc<Self>, key: Key, token: LeaseToken) -> Renewals {
+        let proxy = Arc::clone(self);
+        Renewals(tokio::spawn(async move {
+            let every = proxy.config.lease_ttl / 3;
+            loop {
+                tokio::time::sleep(every).await;
+                let renew = RenewRequest {
+                    key: key.clone(),
+                    lease_token: token,
+                    lease_ttl: proxy.config.lease_ttl,
+                };
+                if let Err(error) = proxy.engine.renew(&renew).await {
+                    tracing::warn!(%error, "lease renewal failed");
+                }
+            }
+        }))
+    }
+
     /// Forwards the first request of a key, renewing its lease meanwhile,
-    /// then commits the response (or releases the key for a retry).
+    /// then commits the answer (or releases the key, or records that the
+    /// outcome is unknown) — before the answer is returned, unless it is
+    /// too long to gather and streams.
     async fn first_request(
         self: Arc<Self>,
         key: Key,
@@ -481,104 +769,298 @@ impl<S: Store> Proxy<S> {
         request: Request<ProxyBody>,
         protocol: Protocol,
     ) -> Answer {
-        let renewals = {
-            let proxy = Arc::clone(&self);
-            let key = key.clone();
-            tokio::spawn(async move {
-                let every = proxy.config.lease_ttl / 3;
-                loop {
-                    tokio::time::sleep(every).await;
-                    let renew = RenewRequest {
-                        key: key.clone(),
-                        lease_token: token,
-                        lease_ttl: proxy.config.lease_ttl,
-                    };
-                    if let Err(error) = proxy.engine.renew(&renew).await {
-                        tracing::warn!(%error, "lease renewal failed");
-                    }
-                }
-            })
-        };
-        let upstream_started = std::time::Instant::now();
-        let answered = tokio::time::timeout(self.config.upstream_timeout, async {
-            let response = self
-                .forward(request, protocol)
-                .await
-                .map_err(|e| e.to_string())?;
-            let (parts, body) = response.into_parts();
-            let collected = body.collect().await.map_err(|e| e.to_string())?;
-            let trailers = collected.trailers().cloned();
-            Ok::<_, String>((parts, collected.to_bytes(), trailers))
-        })
-        .await
-        .unwrap_or_else(|_| Err("the upstream did not answer in time".into()));
-        renewals.abort();
-        let upstream = upstream_started.elapsed();
-        let (parts, body, trailers) = match answered {
-            Ok(answered) => answered,
-            Err(problem) => {
+        let renewals = self.renew_lease(key.clone(), token);
+        let upstream_started = Instant::now();
+        let deadline = tokio::time::Instant::now() + self.config.upstream_timeout;
+        let response = match tokio::time::timeout_at(deadline, self.forward(request, protocol))
+            .await
+        {
+            Ok(Ok(response)) => response,
+            Ok(Err(ForwardError::Unsent(problem))) => {
                 self.release(key, token).await;
-                tracing::warn!(%problem, "upstream failed; key released");
+                tracing::warn!(%problem, "upstream unreachable; the request was not sent and the key is released");
                 return Answer {
+                    upstream: upstream_started.elapsed(),
+                    ..Answer::rejected(
+                        Rejection::UpstreamFailed(
+                            "the upstream service could not be reached; the request was not sent, retry later".into(),
+                        ),
+                        protocol,
+                    )
+                };
+            }
+            Ok(Err(ForwardError::MaybeSent(problem))) => {
+                let answer = self
+                    .unknown_outcome(
+                        key,
+                        token,
+                        format!("the connection failed: {problem}"),
+                        protocol,
+                    )
+                    .await;
+                return Answer {
+                    upstream: upstream_started.elapsed(),
+                    ..answer
+                };
+            }
+            Err(_) => {
+                let reason = format!(
+                    "the service did not answer within {}",
+                    humantime::format_duration(self.config.upstream_timeout)
+                );
+                let answer = self.unknown_outcome(key, token, reason, protocol).await;
+                return Answer {
+                    upstream: upstream_started.elapsed(),
+                    ..answer
+                };
+            }
+        };
+        let (parts, body) = response.into_parts();
+        let gathered = self.gather(body, deadline).await;
+        let upstream = upstream_started.elapsed();
+        let (data, trailers) = match gathered {
+            Gathered::Whole { data, trailers } => (data, trailers),
+            Gathered::Failed(problem) => {
+                let reason = format!("its answer broke off: {problem}");
+                let answer = self.unknown_outcome(key, token, reason, protocol).await;
+                return Answer { upstream, ..answer };
+            }
+            Gathered::Over { read, rest } => {
+                // The service acted and answered at length: the record says
+                // so (not replayable) before the answer streams on — except
+                // an HTTP status that says it did not act.
+                let acted = protocol == Protocol::Grpc || is_replayable(parts.status);
+                let (result, stored) = if acted {
+                    let stored = self
+                        .settle(&key, token, &self.stored_response(&parts, None, None))
+                        .await;
+                    ("forwarded", stored)
+                } else {
+                    self.release(key, token).await;
+                    ("released", true)
+                };
+                drop(renewals);
+                let body = read_then_rest(read, rest, self.config.upstream_timeout);
+                let mut response = client_response(Response::from_parts(parts, body));
+                mark_unstored(&mut response, stored);
+                return Answer {
+                    response,
+                    result,
                     upstream,
-                    ..Answer::rejected(Rejection::UpstreamFailed(problem), protocol)
                 };
             }
         };
         let replayable = match protocol {
             Protocol::Http => is_replayable(parts.status),
-            // A unary call answers one message; a streaming one is passed
-            // on but not kept.
             Protocol::Grpc => {
                 grpc_status(&parts.headers, trailers.as_ref()).is_some_and(is_replayable_grpc)
-                    && grpc_messages(&body) <= 1
             }
         };
-        let result = if replayable {
-            let stored = StoredResponse {
-                status: parts.status,
-                headers: end_to_end(&parts.headers),
-                body: (body.len() <= self.config.max_response_bytes).then(|| body.to_vec()),
-                trailers: trailers.as_ref().map(end_to_end).unwrap_or_default(),
-            };
-            let commit = CommitRequest {
-                key,
-                lease_token: token,
-                response: stored.encode(),
-                retention: None,
-            };
-            if let Err(error) = self.engine.commit(&commit).await {
-                tracing::warn!(%error, "commit of a proxied response failed; a retry runs again");
-            }
-            "forwarded"
+        let (result, stored) = if replayable {
+            // A unary call answers one message; a streaming one was
+            // processed but is not kept.
+            let kept = (protocol == Protocol::Http || grpc_messages(&data) <= 1).then_some(&data);
+            let stored = self.stored_response(&parts, kept, trailers.as_ref());
+            ("forwarded", self.settle(&key, token, &stored).await)
         } else {
             self.release(key, token).await;
-            "released"
+            ("released", true)
         };
+        drop(renewals);
+        let mut response = client_response(Response::from_parts(
+            parts,
+            body_with_trailers(data, trailers),
+        ));
+        mark_unstored(&mut response, stored);
         Answer {
-            response: client_response(Response::from_parts(
-                parts,
-                body_with_trailers(body, trailers),
-            )),
+            response,
             result,
             upstream,
         }
     }
 
-    async fn release(&self, key: Key, token: LeaseToken) {
+    fn stored_response(
+        &self,
+        parts: &http::response::Parts,
+        body: Option<&Bytes>,
+        trailers: Option<&http::HeaderMap>,
+    ) -> Stored {
+        Stored::Response(StoredResponse {
+            status: parts.status,
+            headers: storable(&parts.headers, &self.config.never_store),
+            body: body.map(|body| body.to_vec()),
+            trailers: trailers
+                .map(|trailers| storable(trailers, &self.config.never_store))
+                .unwrap_or_default(),
+        })
+    }
+
+    /// Reads an answer's body up to `--max-response-bytes`, by `deadline`.
+    async fn gather(&self, mut body: Incoming, deadline: tokio::time::Instant) -> Gathered {
+        let mut data = BytesMut::new();
+        loop {
+            let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+                Err(_) => {
+                    return Gathered::Failed(format!(
+                        "not complete within {}",
+                        humantime::format_duration(self.config.upstream_timeout)
+                    ))
+                }
+                Ok(None) => {
+                    return Gathered::Whole {
+                        data: data.freeze(),
+                        trailers: None,
+                    }
+                }
+                Ok(Some(Err(error))) => return Gathered::Failed(error.to_string()),
+                Ok(Some(Ok(frame))) => frame,
+            };
+            match frame.into_data() {
+                Ok(chunk) => {
+                    data.extend_from_slice(&chunk);
+                    if data.len() > self.config.max_response_bytes {
+                        return Gathered::Over {
+                            read: data.freeze(),
+                            rest: body,
+                        };
+                    }
+                }
+                Err(frame) => {
+                    if let Ok(trailers) = frame.into_trailers() {
+                        return Gathered::Whole {
+                            data: data.freeze(),
+                            trailers: Some(trailers),
+                        };
+                    }
+                }
+            }
+        }
+    }
+
+    /// The request may have reached the upstream and no complete answer
+    /// came back: record that (never forward it again) and tell the client
+    /// — or, with `--after-unknown-outcome retry`, release the key.
+    async fn unknown_outcome(
+        &self,
+        key: Key,
+        token: LeaseToken,
+        reason: String,
+        protocol: Protocol,
+    ) -> Answer {
+        match self.config.after_unknown_outcome {
+            AfterUnknownOutcome::Report => {
+                tracing::warn!(%reason, "outcome unknown; the key will not be forwarded again");
+                let stored = Stored::OutcomeUnknown {
+                    reason: reason.clone(),
+                };
+                // If it cannot be stored, the claim stays: once its lease
+                // ends the next attempt is a recovered claim, answered the
+                // same way.
+                self.settle(&key, token, &stored).await;
+                Answer::rejected(Rejection::OutcomeUnknown(reason), protocol)
+            }
+            AfterUnknownOutcome::Retry => {
+                tracing::warn!(%reason, "outcome unknown; key released (--after-unknown-outcome retry)");
+                self.release(key, token).await;
+                Answer::rejected(
+                    Rejection::UpstreamFailed(format!(
+                        "{reason}; the key was released, so a retry sends the request again"
+                    )),
+                    protocol,
+                )
+            }
+        }
+    }
+
+    /// Commits `stored` for the key, retrying while the store does not
+    /// answer, for up to one lease time (the lease is renewed meanwhile, and
+    /// a holder's commit holds even after it ends unless another claimed
+    /// it). False if it could not be stored.
+    async fn settle(&self, key: &Key, token: LeaseToken, stored: &Stored) -> bool {
+        let commit = CommitRequest {
+            key: key.clone(),
+            lease_token: token,
+            response: stored.encode(),
+            retention: None,
+        };
+        self.retrying("commit", || self.engine.commit(&commit))
+            .await
+    }
+
+    /// Releases the key (the request never left, or the upstream said it
+    /// did not act), retrying like [`Proxy::settle`]; if that fails the
+    /// key frees when its lease ends, and the next attempt is a recovered
+    /// claim.
+    async fn release(&self, key: Key, token: LeaseToken) -> bool {
         let release = ReleaseRequest {
             key,
             lease_token: token,
         };
-        if let Err(error) = self.engine.release(&release).await {
-            tracing::warn!(%error, "release failed; the key frees when its lease ends");
+        self.retrying("release", || self.engine.release(&release))
+            .await
+    }
+
+    async fn retrying<T, Call, Answered>(&self, what: &str, mut call: Call) -> bool
+    where
+        Call: FnMut() -> Answered,
+        Answered: Future<Output = Result<T, Error>>,
+    {
+        let give_up = Instant::now() + self.config.lease_ttl;
+        let mut pause = Duration::from_millis(50);
+        loop {
+            match call().await {
+                Ok(_) => return true,
+                Err(error) if error.may_pass() && Instant::now() + pause < give_up => {
+                    tracing::debug!(%error, what, "store call failed; retrying");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+                Err(error) => {
+                    tracing::warn!(%error, what, "store call failed; giving up");
+                    return false;
+                }
+            }
         }
     }
 }
 
-fn replay(stored: &[u8], retain_until_ms: u64, protocol: Protocol) -> Answer {
-    let stored = match StoredResponse::decode(stored) {
-        Ok(stored) => stored,
+/// `idempotency-replayable: false` on an answer whose record could not be
+/// stored.
+fn mark_unstored(response: &mut Response<ProxyBody>, stored: bool) {
+    if !stored {
+        response
+            .headers_mut()
+            .insert(REPLAYABLE, HeaderValue::from_static("false"));
+    }
+}
+
+/// What was read of an answer, then the rest as it arrives; a pause longer
+/// than `idle` ends it with an error (the client sees the answer cut off).
+fn read_then_rest(read: Bytes, rest: Incoming, idle: Duration) -> ProxyBody {
+    let first = futures_util::stream::iter([Ok::<_, BodyError>(Frame::data(read))]);
+    let more = futures_util::stream::unfold(Some(rest), move |body| async move {
+        let mut body = body?;
+        match tokio::time::timeout(idle, body.frame()).await {
+            Ok(None) => None,
+            Ok(Some(Ok(frame))) => Some((Ok(frame), Some(body))),
+            Ok(Some(Err(error))) => Some((Err(BodyError::from(error)), None)),
+            Err(_) => Some((Err(BodyError::Paused), None)),
+        }
+    });
+    BodyExt::boxed(StreamBody::new(futures_util::StreamExt::chain(first, more)))
+}
+
+fn replay(
+    stored: &[u8],
+    retain_until_ms: u64,
+    protocol: Protocol,
+    never_store: &[HeaderName],
+) -> Answer {
+    let stored = match Stored::decode(stored) {
+        Ok(Stored::Response(stored)) => stored,
+        Ok(Stored::OutcomeUnknown { reason }) => {
+            return Answer::rejected(Rejection::OutcomeUnknown(reason), protocol)
+        }
         Err(error) => {
             tracing::error!(%error, "a stored response does not decode");
             return Answer::rejected(
@@ -590,16 +1072,22 @@ fn replay(stored: &[u8], retain_until_ms: u64, protocol: Protocol) -> Answer {
     let Some(body) = stored.body else {
         return Answer::rejected(Rejection::NotReplayable, protocol);
     };
+    // Records stored before Set-Cookie was filtered may still hold one.
+    let replayed = |fields: Vec<(HeaderName, HeaderValue)>| {
+        fields
+            .into_iter()
+            .filter(|(name, _)| may_store(name, never_store))
+    };
     let trailers = (!stored.trailers.is_empty()).then(|| {
         let mut map = http::HeaderMap::new();
-        for (name, value) in stored.trailers {
+        for (name, value) in replayed(stored.trailers) {
             map.append(name, value);
         }
         map
     });
     let mut response = Response::new(body_with_trailers(Bytes::from(body), trailers));
     *response.status_mut() = stored.status;
-    for (name, value) in stored.headers {
+    for (name, value) in replayed(stored.headers) {
         response.headers_mut().append(name, value);
     }
     response

@@ -583,6 +583,80 @@ pub async fn claim(client: &mut Client, request: pb::ClaimRequest) -> pb::ClaimR
         .into_inner()
 }
 
+/// An in-memory store that refuses every write (UNAVAILABLE, nothing
+/// written) while `down` is set: a store outage a test switches on and off.
+#[derive(Debug)]
+pub struct FailingStore {
+    inner: MemoryStore,
+    down: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl FailingStore {
+    /// A store that is down while `down` is set.
+    pub fn new(down: Arc<std::sync::atomic::AtomicBool>) -> FailingStore {
+        FailingStore {
+            inner: MemoryStore::new(),
+            down,
+        }
+    }
+
+    fn check(&self) -> Result<(), Error> {
+        if self.down.load(Ordering::SeqCst) {
+            Err(Error::Unavailable("the test took the store down".into()))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl Store for FailingStore {
+    async fn update<T, F>(&self, key: &Key, apply: F) -> Result<T, Error>
+    where
+        T: Send,
+        F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
+    {
+        self.check()?;
+        self.inner.update(key, apply).await
+    }
+
+    async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
+        self.inner.get(key).await
+    }
+
+    async fn update_mark<F>(&self, scope: &OrderingScope, apply: F) -> Result<(), Error>
+    where
+        F: FnMut(Option<SequenceMark>) -> Option<SequenceMark> + Send,
+    {
+        self.check()?;
+        self.inner.update_mark(scope, apply).await
+    }
+
+    async fn get_mark(&self, scope: &OrderingScope) -> Result<Option<SequenceMark>, Error> {
+        self.inner.get_mark(scope).await
+    }
+
+    async fn durable(&self) -> Result<(), Error> {
+        self.check()?;
+        self.inner.durable().await
+    }
+
+    async fn reap(&self, now: UnixMillis, budget: usize) -> Result<ReapReport, Error> {
+        self.inner.reap(now, budget).await
+    }
+
+    fn health(&self) -> Result<(), Error> {
+        self.inner.health()
+    }
+
+    async fn stats(&self) -> StoreStats {
+        self.inner.stats().await
+    }
+
+    async fn close(&self) -> Result<(), Error> {
+        self.inner.close().await
+    }
+}
+
 /// An in-memory store whose `durable()` waits until the test opens the
 /// gate: calls stay in flight for as long as a test needs, without sleeps.
 #[derive(Debug)]
