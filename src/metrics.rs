@@ -163,7 +163,7 @@ impl Metrics {
         let proxy_requests = Family::<ProxyLabels, Counter>::default();
         registry.register(
             "http_proxy_requests",
-            "Requests the HTTP idempotency proxy answered, by result (passed_through, forwarded, replayed, released, in_progress, mismatch, invalid_key, missing_key, not_replayable, too_large, store_unavailable, upstream_failed)",
+            "Requests the HTTP idempotency proxy answered, by result (passed_through, forwarded, replayed, released, outcome_unknown, in_progress, mismatch, invalid_key, missing_key, bad_target, body_incomplete, not_replayable, too_large, overloaded, store_unavailable, upstream_failed, internal)",
             proxy_requests.clone(),
         );
         let proxy_added_seconds = latency_histogram();

@@ -1334,3 +1334,166 @@ async fn a_store_outage_between_the_answer_and_the_commit() {
     assert_eq!(problem_type(&retry), "outcome-unknown");
     assert_eq!(upstream.calls.get("/outage"), 2, "one call per key");
 }
+
+fn proxy_address(sidecar: &common::sidecar::Sidecar) -> SocketAddr {
+    sidecar.ready["http_proxy"]
+        .as_str()
+        .and_then(|address| address.parse().ok())
+        .unwrap_or_else(|| panic!("no proxy address in {}", sidecar.ready))
+}
+
+/// Through the binary on `store_flags`: the slow upstream's request is
+/// sent once whatever the client retries, and a proxy killed with SIGKILL
+/// while the upstream works leaves a claim the next proxy answers
+/// outcome-unknown instead of sending again.
+async fn at_most_once_through_the_binary(store_flags: &[&str]) {
+    let upstream = upstream().await;
+    let data = tempfile::tempdir().unwrap();
+    let upstream_url = format!("http://{}", upstream.address);
+    let mut flags = store_flags.to_vec();
+    flags.extend([
+        "--http-proxy-listen",
+        "127.0.0.1:0",
+        "--http-proxy-upstream",
+        &upstream_url,
+        "--http-proxy-upstream-timeout",
+        "1s",
+        "--default-lease-ttl",
+        "2s",
+    ]);
+    let sidecar = common::sidecar::Sidecar::start_with(data.path(), &flags);
+    let address = proxy_address(&sidecar);
+    for attempt in 0..3 {
+        let answer = post(address, "/slow", "timed-out", "{}").await;
+        assert_eq!(answer.status, StatusCode::BAD_GATEWAY, "attempt {attempt}: {}", answer.body);
+        assert_eq!(problem_type(&answer), "outcome-unknown");
+    }
+    assert_eq!(upstream.calls.get("/slow"), 1);
+
+    // Killed while the upstream works on the request (well within the
+    // proxy's 1 s timeout).
+    let in_flight = tokio::spawn(async move {
+        let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+            .build_http::<Full<Bytes>>();
+        let request = Request::post(format!("http://{address}/slow"))
+            .header("idempotency-key", "killed")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap();
+        client.request(request).await.map(|response| response.status())
+    });
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while upstream.calls.get("/slow") < 2 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the request reached the upstream");
+    sidecar.kill_9();
+    assert!(
+        in_flight.await.unwrap().is_err(),
+        "the killed proxy answered nothing"
+    );
+
+    let sidecar = common::sidecar::Sidecar::start_with(data.path(), &flags);
+    let address = proxy_address(&sidecar);
+    let mut answer = post(address, "/slow", "killed", "{}").await;
+    // In progress until the dead proxy's lease (2 s) ends.
+    for _ in 0..100 {
+        if answer.status != StatusCode::CONFLICT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        answer = post(address, "/slow", "killed", "{}").await;
+    }
+    assert_eq!(answer.status, StatusCode::BAD_GATEWAY, "{}", answer.body);
+    assert_eq!(problem_type(&answer), "outcome-unknown");
+    assert!(answer.body.contains("earlier attempt"), "{}", answer.body);
+    let again = post(address, "/slow", "killed", "{}").await;
+    assert_eq!(problem_type(&again), "outcome-unknown");
+    // Whatever the killed proxy's upstream call did, it was the only one.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(upstream.calls.get("/slow"), 2);
+    drop(sidecar);
+}
+
+#[tokio::test]
+async fn at_most_once_across_timeouts_and_a_kill_9_on_sled() {
+    at_most_once_through_the_binary(&[]).await;
+}
+
+#[tokio::test]
+async fn at_most_once_across_timeouts_and_a_kill_9_on_postgres() {
+    if !common::postgres::available() {
+        return;
+    }
+    let schema = common::postgres::fresh_schema();
+    at_most_once_through_the_binary(&[
+        "--store",
+        "postgres",
+        "--store-url",
+        common::postgres::url(),
+        "--store-schema",
+        &schema,
+    ])
+    .await;
+    common::postgres::drop_schema(&schema).await;
+}
+
+/// A 96 MiB answer to a keyed POST streams through the binary: the client
+/// gets every byte while the process's peak resident memory grows by less
+/// than 16 MiB (it held the whole answer before: +133 MiB), and a retry is
+/// told the answer cannot be replayed (it is not sent again). The absolute
+/// peak — under 64 MiB for the release binary — is in BENCHMARKS.md; this
+/// debug binary alone maps ~30 MiB of code.
+#[tokio::test]
+async fn a_96_mib_keyed_answer_streams_in_bounded_memory() {
+    let upstream = upstream().await;
+    let data = tempfile::tempdir().unwrap();
+    let upstream_url = format!("http://{}", upstream.address);
+    let sidecar = common::sidecar::Sidecar::start_with(
+        data.path(),
+        &[
+            "--http-proxy-listen",
+            "127.0.0.1:0",
+            "--http-proxy-upstream",
+            &upstream_url,
+        ],
+    );
+    let address = proxy_address(&sidecar);
+    let peak = || {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", sidecar.child.id())).unwrap();
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmHWM:"))
+            .and_then(|value| value.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .expect("VmHWM")
+    };
+    let before_kib = peak();
+    let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .build_http::<Full<Bytes>>();
+    let request = Request::post(format!("http://{address}/big?mib=96"))
+        .header("idempotency-key", "big-answer")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    let response = client.request(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    let mut received = 0usize;
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.unwrap().into_data() {
+            received += data.len();
+        }
+    }
+    assert_eq!(received, 96 << 20);
+    let peak_kib = peak();
+    println!("peak RSS: {before_kib} KiB before, {peak_kib} KiB after streaming 96 MiB");
+    assert!(
+        peak_kib - before_kib < 16 << 10,
+        "peak RSS grew from {before_kib} KiB to {peak_kib} KiB"
+    );
+
+    let retry = post(address, "/big?mib=96", "big-answer", "{}").await;
+    assert_eq!(retry.status, StatusCode::CONFLICT);
+    assert_eq!(problem_type(&retry), "response-not-replayable");
+    assert_eq!(upstream.calls.get("/big"), 1);
+}

@@ -3,9 +3,12 @@ Idempotency-Key per business operation, the same key on every retry.
 
 The client retries what is safe to retry *because* of the key: a timeout or
 a dropped connection (the first attempt may or may not have run: the proxy
-knows), a 5xx (the proxy released the key, nothing was kept), and a 409
-"still in progress" (after Retry-After). It never retries a 422: that key
-was used for another request, which is a bug in the caller.
+knows), a 5xx (the service failed, or could not be reached, and the proxy
+released the key), and a 409 "still in progress" (after Retry-After). It
+never retries a 422 (that key was used for another request, a bug in the
+caller) nor a 502 "outcome-unknown": the order may or may not exist, the
+proxy will not send it again under this key, and only the caller can find
+out (look the order up; if it is not there, create it with a new key).
 
     python3 client.py http://127.0.0.1:8080
 """
@@ -19,10 +22,16 @@ import uuid
 import httpx
 
 IN_PROGRESS = "https://dedupd.dev/problems/request-in-progress"
+OUTCOME_UNKNOWN = "https://dedupd.dev/problems/outcome-unknown"
 
 
 class KeyReused(Exception):
     """The proxy answered 422: this key already belongs to another request."""
+
+
+class OutcomeUnknown(Exception):
+    """The proxy answered 502 outcome-unknown: the request may have reached
+    the service, and will not be sent again with this key. Reconcile."""
 
 
 def create_order(
@@ -36,8 +45,9 @@ def create_order(
     """POSTs the order once, whatever the network does; returns the answer
     (a replay carries `Idempotent-Replayed: true`)."""
     key = key or str(uuid.uuid4())
-    # The header is a structured-field string: quoted.
-    headers = {"Idempotency-Key": f'"{key}"'}
+    # Bare, as Stripe's SDKs send it; the draft's quoted form ("...") is
+    # the same key to the proxy.
+    headers = {"Idempotency-Key": key}
     for attempt in range(attempts):
         last = attempt == attempts - 1
         try:
@@ -49,6 +59,8 @@ def create_order(
             continue
         if response.status_code == 422:
             raise KeyReused(response.json()["detail"])
+        if response.status_code == 502 and response.json().get("type") == OUTCOME_UNKNOWN:
+            raise OutcomeUnknown(response.json()["detail"])
         if response.status_code == 409 and response.json().get("type") == IN_PROGRESS and not last:
             time.sleep(float(response.headers.get("Retry-After", "1")))
             continue

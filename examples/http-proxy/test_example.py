@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from client import KeyReused, create_order
+from client import KeyReused, OutcomeUnknown, create_order
 from orders_service import serve
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -28,13 +28,23 @@ def service():
 
 @pytest.fixture()
 def proxy(service):
+    yield from start_proxy(service)
+
+
+@pytest.fixture()
+def impatient_proxy(service):
+    """A proxy that waits 0.5 s for the 1 s service."""
+    yield from start_proxy(service, "--upstream-timeout", "500ms")
+
+
+def start_proxy(service, *flags):
     port, _ = service
     data = tempfile.TemporaryDirectory()
     ready_file = pathlib.Path(data.name) / "ready.json"
     process = subprocess.Popen(
         [BINARY, "http-proxy", "--listen", "127.0.0.1:0", "--upstream", f"http://127.0.0.1:{port}",
          "--metrics-listen", "off", "--data-dir", str(pathlib.Path(data.name) / "data"),
-         "--ready-file", str(ready_file)],
+         "--ready-file", str(ready_file), *flags],
         stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 20
@@ -81,4 +91,16 @@ def test_a_key_reused_for_another_order_is_refused(service, proxy):
         replay = create_order(h2, {"sku": "B2", "qty": 1}, key="order-9b21")
         assert replay.http_version == "HTTP/2"
         assert replay.json() == first.json()
+    assert len(orders.created) == 1
+
+
+def test_an_unknown_outcome_is_reported_not_sent_again(service, impatient_proxy):
+    _, orders = service
+    with httpx.Client(base_url=impatient_proxy, timeout=10) as client:
+        with pytest.raises(OutcomeUnknown):
+            create_order(client, {"sku": "C3", "qty": 1}, key="order-slow")
+        time.sleep(1.2)  # the service finishes the one order it got
+        # The caller reconciles: the order exists, so it is not created again.
+        with pytest.raises(OutcomeUnknown):
+            create_order(client, {"sku": "C3", "qty": 1}, key="order-slow")
     assert len(orders.created) == 1

@@ -4,10 +4,12 @@
 //! and state machine as the gRPC API. `serve --http-proxy-listen` runs it.
 //!
 //! - [`idempotency`]: the draft's rules as pure functions — the key header,
-//!   the record a keyed request maps to, the payload fingerprint, which
-//!   answers are replayed and their stored form.
-//! - [`server`]: the HTTP/1.1 + HTTP/2 server that forwards, commits,
-//!   releases and replays.
+//!   the record a keyed request maps to (scoped by the caller's
+//!   credentials), the payload fingerprint, which answers are replayed and
+//!   what is stored (an answer, or "outcome unknown").
+//! - [`server`]: the HTTP/1.1 + HTTP/2 server that forwards a keyed request
+//!   at most once, commits, releases, replays and streams, behind the same
+//!   connection defences as the gRPC listener.
 
 pub mod idempotency;
 pub mod server;
