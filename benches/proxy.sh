@@ -18,6 +18,8 @@
 #                (what the disk costs)
 #   replay       through the proxy, one key (answered from the store; the
 #                service's call count shows it was not called)
+# and last, the peak resident memory of a fresh proxy while one keyed POST
+# gets a 96 MiB answer (streamed: only --max-response-bytes is gathered).
 # Prints a table with the ratios issue 14 asks for and writes it to --out.
 # Needs wrk (apt-get install wrk).
 set -euo pipefail
@@ -50,12 +52,13 @@ upstream_port=51011 proxy_port=51012 unsynced_port=51013
 target/release/dedupd-bench http-upstream --listen 127.0.0.1:$upstream_port --worker-threads 1 \
   --work "$work" 2>"$tmp/upstream.log" & pids+=($!)
 upstream_pid=$!
-start_proxy() { # port sync
+start_proxy() { # port sync [name]
+  local name=${3:-$2}
   target/release/dedupd http-proxy --listen 127.0.0.1:$1 --upstream http://127.0.0.1:$upstream_port \
-    --data-dir "$tmp/data-$2" --sync "$2" --metrics-listen off --worker-threads 1 --log warn \
-    --ready-file "$tmp/ready-$2.json" 2>"$tmp/proxy-$2.log" & pids+=($!)
-  for _ in $(seq 1 200); do [ -f "$tmp/ready-$2.json" ] && return 0; sleep 0.05; done
-  cat "$tmp/proxy-$2.log" >&2; exit 1
+    --data-dir "$tmp/data-$name" --sync "$2" --metrics-listen off --worker-threads 1 --log warn \
+    --ready-file "$tmp/ready-$name.json" 2>"$tmp/proxy-$name.log" & pids+=($!)
+  for _ in $(seq 1 200); do [ -f "$tmp/ready-$name.json" ] && return 0; sleep 0.05; done
+  cat "$tmp/proxy-$name.log" >&2; exit 1
 }
 start_proxy $proxy_port always
 proxy_pid=$!
@@ -116,9 +119,21 @@ for repeat in $(seq 1 "$repeats"); do
   done
 done
 
-python3 - "$results" "$duration" "$connections" "$repeats" "$(nproc)" "$work" <<'PY' | tee "${out:-/dev/null}"
+# A fresh proxy (its peak memory not raised by the runs above): peak RSS
+# before and after one keyed POST whose answer is 96 MiB.
+large_port=51014
+start_proxy $large_port always large
+large_pid=$!
+peak_kib() { awk '/^VmHWM:/ {print $2}' "/proc/$1/status"; }
+large_before=$(peak_kib $large_pid)
+large_bytes=$(curl -s -X POST "http://127.0.0.1:$large_port/orders?bytes=$((96 << 20))" \
+  -H 'Idempotency-Key: large-answer' -H 'Content-Type: application/json' -d '{}' -o /dev/null -w '%{size_download}')
+large_after=$(peak_kib $large_pid)
+
+python3 - "$results" "$duration" "$connections" "$repeats" "$(nproc)" "$work" \
+  "$large_before" "$large_after" "$large_bytes" <<'PY' | tee "${out:-/dev/null}"
 import json, statistics, sys
-path, duration, connections, repeats, cpus, work = sys.argv[1:]
+path, duration, connections, repeats, cpus, work, large_before, large_after, large_bytes = sys.argv[1:]
 rows = [json.loads(line) for line in open(path)]
 def median(name, conns, field):
     return statistics.median(r[field] for r in rows if r["name"] == name and r["connections"] == int(conns))
@@ -148,4 +163,6 @@ targets = [
 for label, value, target in targets:
     print(f"- {label}: {value:.2f}x — {'met' if value >= target else 'not met'}")
 print(f"- p50 added to a pass-through request (c=1) <= 0.3 ms: {added:.3f} ms — {'met' if added <= 0.3 else 'not met'}")
+peak = int(large_after) / 1024
+print(f"- a {int(large_bytes) / 2**20:.0f} MiB keyed answer streamed: peak RSS {int(large_before) / 1024:.1f} MiB before, {peak:.1f} MiB after (< 64 MiB: {'met' if peak < 64 and int(large_bytes) == 96 << 20 else 'not met'})")
 PY

@@ -37,7 +37,9 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 
 /// The upstream: counts calls per path. `/orders` answers 201 with the call
 /// number, slowly enough for retries to overlap; `/slow` answers 201 after
-/// 2.5 s; `/flaky` answers 500 on its first call and 201 after; `/stream`
+/// 2.5 s; `/gateway-timeout` answers 504, as a mesh proxy in front of the
+/// service does when the service is slow; `/flaky` answers 500 on its first
+/// call and 201 after; `/stream`
 /// echoes each chunk as it comes; `/cookie` gives the caller a session
 /// cookie and names it in the body; `/big?mib=N` answers N MiB, generated as
 /// it is sent; `/outage` sets `store_down` before answering 201; any other
@@ -146,6 +148,9 @@ async fn upstream() -> Upstream {
                                         StatusCode::CREATED,
                                         format!("{{\"caller\":\"{authorization}\"}}"),
                                     )
+                                }
+                                "/gateway-timeout" => {
+                                    (StatusCode::GATEWAY_TIMEOUT, "upstream request timeout".into())
                                 }
                                 "/flaky" if call == 1 => {
                                     (StatusCode::INTERNAL_SERVER_ERROR, "boom".into())
@@ -610,7 +615,8 @@ async fn a_client_that_disconnects_still_gets_its_result_committed() {
     .await;
     assert!(abandoned.is_err());
     let mut replay = None;
-    for _ in 0..100 {
+    // Long enough to outlast the lease (5 s) if the claim were orphaned.
+    for _ in 0..300 {
         let answer = post(proxy.address, "/orders", "\"gone\"", "{}").await;
         if answer.status == StatusCode::CREATED {
             replay = Some(answer);
@@ -1496,4 +1502,49 @@ async fn a_96_mib_keyed_answer_streams_in_bounded_memory() {
     assert_eq!(retry.status, StatusCode::CONFLICT);
     assert_eq!(problem_type(&retry), "response-not-replayable");
     assert_eq!(upstream.calls.get("/big"), 1);
+}
+
+/// A 504 from a gateway in front of the service means the service may have
+/// acted: the first client gets that answer, retries get outcome-unknown.
+#[tokio::test]
+async fn a_gateway_timeout_is_an_unknown_outcome() {
+    let upstream = upstream().await;
+    let proxy = proxy(&upstream).await;
+    let first = post(proxy.address, "/gateway-timeout", "gw-1", "{}").await;
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(first.body, "upstream request timeout");
+    let retry = post(proxy.address, "/gateway-timeout", "gw-1", "{}").await;
+    assert_eq!(retry.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(problem_type(&retry), "outcome-unknown");
+    assert!(retry.body.contains("504"), "{}", retry.body);
+    assert_eq!(upstream.calls.get("/gateway-timeout"), 1);
+}
+
+/// A keyed body slower than the body deadline is answered 408 and never
+/// forwarded; the key stays free.
+#[tokio::test]
+async fn a_keyed_body_slower_than_its_deadline_is_408_and_not_forwarded() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let upstream = upstream().await;
+    let proxy = proxy_with(&upstream, |config| {
+        config.body_timeout = Duration::from_millis(500);
+    })
+    .await;
+    let mut socket = tokio::net::TcpStream::connect(proxy.address).await.unwrap();
+    socket
+        .write_all(b"POST /echo HTTP/1.1\r\nHost: x\r\nIdempotency-Key: slow-body\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"a\":")
+        .await
+        .unwrap();
+    let mut answer = vec![0u8; 4096];
+    let read = tokio::time::timeout(Duration::from_secs(5), socket.read(&mut answer))
+        .await
+        .expect("an answer within the deadline")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..read]);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("request-body-timeout"), "{answer}");
+    assert_eq!(upstream.calls.get("/echo"), 0);
+    let whole = post(proxy.address, "/echo", "slow-body", "{}").await;
+    assert_eq!(whole.status, StatusCode::OK, "the key was never claimed");
+    assert_eq!(upstream.calls.get("/echo"), 1);
 }

@@ -260,6 +260,10 @@ impl Scope<'_> {
     }
 }
 
+/// The largest JSON body fingerprinted in canonical form; a larger one is
+/// fingerprinted byte for byte (a retry must then send the same bytes).
+pub const CANONICAL_JSON_MAX_BYTES: usize = 1 << 20;
+
 /// The payload fingerprint: SHA-256 over the method, path, query and body,
 /// with a JSON body (by its `Content-Type`) in RFC 8785 canonical form. A
 /// body that claims JSON but does not parse is taken byte for byte. A
@@ -273,8 +277,11 @@ pub fn fingerprint(
     headers: &HeaderMap,
     body: &[u8],
 ) -> String {
-    let exact = is_json(headers).then(|| exact_numbers(body)).flatten();
-    let canonical = is_json(headers)
+    // Past a size, the raw bytes: a parsed JSON document takes many times
+    // its text in memory and CPU, on the request path.
+    let canonicalise = is_json(headers) && body.len() <= CANONICAL_JSON_MAX_BYTES;
+    let exact = canonicalise.then(|| exact_numbers(body)).flatten();
+    let canonical = canonicalise
         .then(|| serde_json::from_slice::<serde_json::Value>(exact.as_deref().unwrap_or(body)).ok())
         .flatten()
         .and_then(|value| serde_jcs::to_vec(&value).ok());
@@ -331,18 +338,28 @@ fn exact_numbers(body: &[u8]) -> Option<Vec<u8>> {
                     position += 1;
                 }
                 let text = std::str::from_utf8(&body[start..position]).ok()?;
+                // Rust's float syntax is wider than JSON's (`09`, `1.`):
+                // a token JSON refuses makes the body not JSON at all.
+                if !is_json_number(text) {
+                    return None;
+                }
                 let double = text.parse::<f64>().ok()?;
                 let exact = decimal(text);
-                if double.is_finite() && exact == decimal(&format!("{double:e}")) {
+                if double.is_finite() && exact.is_some() && exact == decimal(&format!("{double:e}"))
+                {
                     continue;
                 }
                 let out = rewritten.get_or_insert_with(Vec::new);
                 out.extend_from_slice(&body[copied..start]);
-                let (negative, digits, exponent) = exact;
-                let sign = if negative { "-" } else { "" };
-                out.extend_from_slice(
-                    format!("\"\\u0000number:{sign}{digits}e{exponent}\"").as_bytes(),
-                );
+                let value = match exact {
+                    Some((negative, digits, exponent)) => {
+                        let sign = if negative { "-" } else { "" };
+                        format!("{sign}{digits}e{exponent}")
+                    }
+                    // An exponent past i64: its literal text.
+                    None => format!("text:{text}"),
+                };
+                out.extend_from_slice(format!("\"\\u0000number:{value}\"").as_bytes());
                 copied = position;
             }
             _ => position += 1,
@@ -353,28 +370,55 @@ fn exact_numbers(body: &[u8]) -> Option<Vec<u8>> {
     Some(out)
 }
 
+/// Whether `text` is a number by JSON's grammar (RFC 8259 §6):
+/// `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`.
+fn is_json_number(text: &str) -> bool {
+    let digits = |text: &str| text.len() - text.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+    let mut rest = text.strip_prefix('-').unwrap_or(text);
+    match digits(rest) {
+        0 => return false,
+        n if n > 1 && rest.starts_with('0') => return false,
+        n => rest = &rest[n..],
+    }
+    if let Some(fraction) = rest.strip_prefix('.') {
+        match digits(fraction) {
+            0 => return false,
+            n => rest = &fraction[n..],
+        }
+    }
+    if let Some(exponent) = rest.strip_prefix(['e', 'E']) {
+        let exponent = exponent.strip_prefix(['+', '-']).unwrap_or(exponent);
+        match digits(exponent) {
+            0 => return false,
+            n => rest = &exponent[n..],
+        }
+    }
+    rest.is_empty()
+}
+
 /// A decimal number's value as (negative, significant digits, exponent of
 /// the last digit), so `1e1`, `10` and `10.0` compare equal; zero is one
-/// value whatever its sign.
-fn decimal(text: &str) -> (bool, String, i64) {
+/// value whatever its sign. `None` when the exponent does not fit an i64.
+fn decimal(text: &str) -> Option<(bool, String, i64)> {
     let (negative, text) = match text.strip_prefix('-') {
         Some(rest) => (true, rest),
         None => (false, text),
     };
     let (mantissa, exponent) = match text.find(['e', 'E']) {
-        Some(at) => (&text[..at], text[at + 1..].parse::<i64>().unwrap_or(0)),
+        Some(at) => (&text[..at], text[at + 1..].parse::<i64>().ok()?),
         None => (text, 0),
     };
     let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
     let digits = format!("{whole}{fraction}");
-    let mut exponent = exponent - fraction.len() as i64;
     let trimmed = digits.trim_start_matches('0');
     let without_trailing = trimmed.trim_end_matches('0');
-    exponent += (trimmed.len() - without_trailing.len()) as i64;
     if without_trailing.is_empty() {
-        return (false, String::new(), 0);
+        return Some((false, String::new(), 0));
     }
-    (negative, without_trailing.to_owned(), exponent)
+    let exponent = exponent
+        .checked_sub(i64::try_from(fraction.len()).ok()?)?
+        .checked_add(i64::try_from(trimmed.len() - without_trailing.len()).ok()?)?;
+    Some((negative, without_trailing.to_owned(), exponent))
 }
 
 fn is_json(headers: &HeaderMap) -> bool {
@@ -390,23 +434,52 @@ fn is_json(headers: &HeaderMap) -> bool {
         .unwrap_or(false)
 }
 
-/// Whether an upstream answer is kept and replayed: 2xx and 4xx, except the
-/// ones that say "try again" (408, 409, 425, 429). Anything else (5xx, and
-/// no answer at all) releases the key so a retry runs again.
-pub fn is_replayable(status: StatusCode) -> bool {
-    let kept_class = status.is_success() || status.is_client_error();
-    let retry_later = matches!(status.as_u16(), 408 | 409 | 425 | 429);
-    kept_class && !retry_later
+/// What an upstream answer to a keyed request does to its key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disposition {
+    /// The service acted (or judged the request itself wrong): kept and
+    /// replayed to retries.
+    Keep,
+    /// The service says it did not act, or failed: the key is released and
+    /// a retry is sent again.
+    Release,
+    /// A gateway in front of the service lost its answer (it may have
+    /// acted): recorded as outcome unknown, never sent again.
+    Unknown,
 }
 
-/// Whether a gRPC answer is kept and replayed, by its `grpc-status`: OK
-/// and the codes that say the request itself was wrong (they would be
-/// wrong again); the ones that say "try again" or "the server failed"
-/// release the key.
-pub fn is_replayable_grpc(code: u32) -> bool {
-    // OK, INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, PERMISSION_DENIED,
-    // FAILED_PRECONDITION, OUT_OF_RANGE, UNAUTHENTICATED.
-    matches!(code, 0 | 3 | 5 | 6 | 7 | 9 | 11 | 16)
+/// What an HTTP status does to its key. 2xx, 3xx (a POST answered with a
+/// redirect was processed) and 4xx are kept, except the 4xx that say "not
+/// now, try again" (408, 409, 425, 429), which release it like 5xx — but
+/// 502 and 504 mean a gateway got no (valid, timely) answer from the server
+/// behind it (RFC 9110 §15.6.3, §15.6.5): the outcome is unknown.
+pub fn http_disposition(status: StatusCode) -> Disposition {
+    match status.as_u16() {
+        502 | 504 => Disposition::Unknown,
+        408 | 409 | 425 | 429 => Disposition::Release,
+        _ if status.is_server_error() => Disposition::Release,
+        // 101: the connection was handed over; whatever happened is not
+        // an answer dedupd can keep.
+        _ if status.is_informational() => Disposition::Unknown,
+        _ => Disposition::Keep,
+    }
+}
+
+/// What a gRPC answer does to its key, by its `grpc-status` (none: an
+/// intermediary's non-gRPC answer). OK and the codes that say the request
+/// itself was wrong are kept (they would be wrong again); CANCELLED and
+/// DEADLINE_EXCEEDED mean the call was cut off while the handler may have
+/// gone on: unknown; the others say "try again" or "the server failed"
+/// and release it.
+pub fn grpc_disposition(code: Option<u32>) -> Disposition {
+    match code {
+        // OK, INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS,
+        // PERMISSION_DENIED, FAILED_PRECONDITION, OUT_OF_RANGE,
+        // UNAUTHENTICATED.
+        Some(0 | 3 | 5 | 6 | 7 | 9 | 11 | 16) => Disposition::Keep,
+        None | Some(1 | 4) => Disposition::Unknown,
+        Some(_) => Disposition::Release,
+    }
 }
 
 /// Headers that describe one connection, not the response (RFC 9110
@@ -862,27 +935,32 @@ mod tests {
     }
 
     #[test]
-    fn two_xx_and_four_xx_are_replayed_except_try_again_answers() {
-        for kept in [200, 201, 204, 400, 404, 422] {
-            assert!(is_replayable(StatusCode::from_u16(kept).unwrap()), "{kept}");
+    fn answers_keep_release_or_leave_the_outcome_unknown() {
+        let http = |code: u16| http_disposition(StatusCode::from_u16(code).unwrap());
+        for kept in [200, 201, 204, 301, 303, 304, 307, 400, 404, 422] {
+            assert_eq!(http(kept), Disposition::Keep, "{kept}");
         }
-        for released in [408, 409, 425, 429, 500, 502, 503, 504, 301, 304, 101] {
-            assert!(
-                !is_replayable(StatusCode::from_u16(released).unwrap()),
-                "{released}"
-            );
+        for released in [408, 409, 425, 429, 500, 501, 503, 505] {
+            assert_eq!(http(released), Disposition::Release, "{released}");
+        }
+        for unknown in [502, 504, 101] {
+            assert_eq!(http(unknown), Disposition::Unknown, "{unknown}");
         }
     }
 
     #[test]
-    fn grpc_answers_are_kept_unless_they_say_try_again_or_server_failure() {
+    fn grpc_answers_are_kept_unless_they_say_try_again_failure_or_cut_off() {
         for kept in [0, 3, 5, 6, 7, 9, 11, 16] {
-            assert!(is_replayable_grpc(kept), "{kept}");
+            assert_eq!(grpc_disposition(Some(kept)), Disposition::Keep, "{kept}");
         }
-        // CANCELLED, UNKNOWN, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED,
-        // UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS.
-        for released in [1, 2, 4, 8, 10, 12, 13, 14, 15] {
-            assert!(!is_replayable_grpc(released), "{released}");
+        // UNKNOWN, RESOURCE_EXHAUSTED, ABORTED, UNIMPLEMENTED, INTERNAL,
+        // UNAVAILABLE, DATA_LOSS.
+        for released in [2, 8, 10, 12, 13, 14, 15] {
+            assert_eq!(grpc_disposition(Some(released)), Disposition::Release, "{released}");
+        }
+        // CANCELLED, DEADLINE_EXCEEDED, and no status at all.
+        for unknown in [Some(1), Some(4), None] {
+            assert_eq!(grpc_disposition(unknown), Disposition::Unknown, "{unknown:?}");
         }
     }
 
@@ -922,6 +1000,30 @@ mod tests {
             order(br#"{"id":9007199254740993,"n":1}"#),
             order(br#"{ "n": 1, "id": 90071992547409930e-1 }"#)
         );
+    }
+
+    #[test]
+    fn only_json_numbers_are_numbers_and_huge_exponents_keep_their_text() {
+        for number in ["0", "-0", "10", "1.5", "-1.5e-3", "1E+2", "9007199254740993"] {
+            assert!(is_json_number(number), "{number}");
+        }
+        for not_json in ["09", "1.", ".5", "-", "1e", "1e+", "--1", "1.2.3", "+1", "0x1"] {
+            assert!(!is_json_number(not_json), "{not_json}");
+        }
+        // Leading zeros are not JSON: the body is fingerprinted as bytes,
+        // not rewritten into its valid neighbour.
+        assert_eq!(exact_numbers(b"[09007199254740993]"), None);
+        let order =
+            |body: &[u8]| fingerprint(&Method::POST, "/orders", None, &json_headers(), body);
+        assert_ne!(order(b"[09007199254740993]"), order(b"[9007199254740993]"));
+        // Exponents past i64 neither panic nor collapse to zero.
+        assert_eq!(decimal("1e99999999999999999999"), None);
+        assert_eq!(decimal("1.5e-9223372036854775808"), None);
+        assert_ne!(
+            order(br#"{"x":1e99999999999999999999}"#),
+            order(br#"{"x":1e-99999999999999999999}"#)
+        );
+        assert_ne!(order(b"[10e9223372036854775807]"), order(b"[1e-9223372036854775807]"));
     }
 
     #[test]

@@ -43,7 +43,7 @@ use tokio::{
 use tonic::transport::server::Connected;
 
 use super::idempotency::{
-    end_to_end, fingerprint, is_replayable, is_replayable_grpc, may_store, storable, CallerScope,
+    end_to_end, fingerprint, grpc_disposition, http_disposition, may_store, storable, CallerScope, Disposition,
     IdempotencyKey, KeySyntax, RoutePattern, Scope, Stored, StoredResponse,
 };
 use crate::{
@@ -67,6 +67,9 @@ pub const REPLAYABLE: &str = "idempotency-replayable";
 
 /// How long requests in progress may take to finish once shutdown begins.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// The longest a connection to the upstream may take to open.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The longest `Retry-After` suggested while a key's first request runs.
 const IN_FLIGHT_RETRY: Duration = Duration::from_secs(1);
@@ -142,6 +145,10 @@ pub struct ProxyConfig {
 /// How often a waiting retry looks again while the first request runs.
 const IN_FLIGHT_POLL: Duration = Duration::from_millis(20);
 
+/// How long a claim the store failed to answer is retried before the
+/// client is told 503 (nothing forwarded).
+const CLAIM_RETRIES_FOR: Duration = Duration::from_secs(2);
+
 /// Why a body broke off (a concrete type: hyper's server bounds are not
 /// met by a boxed `dyn Error` inside a spawned connection).
 #[derive(Debug, thiserror::Error)]
@@ -161,8 +168,12 @@ struct Proxy<S> {
     http1: Client<HttpConnector, ProxyBody>,
     /// HTTP/2 (prior knowledge) to the upstream, for gRPC.
     http2: Client<HttpConnector, ProxyBody>,
-    /// [`KEYED_BODY_BUDGET_BYTES`], in bytes.
+    /// [`KEYED_BODY_BUDGET_BYTES`], in bytes: keyed request bodies, and
+    /// the answers gathered to be stored.
     body_budget: Arc<Semaphore>,
+    /// Every keyed request's detached task, so that shutdown lets them
+    /// settle their records.
+    tasks: tokio_util::task::TaskTracker,
 }
 
 /// What a request speaks, which decides how the proxy answers it.
@@ -361,6 +372,10 @@ pub async fn serve<S: Store>(
 ) -> std::io::Result<()> {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
+    // A connect that fails is a request that never left (the key is
+    // released); without its own deadline a black-holed upstream would run
+    // into the upstream timeout instead, and be recorded outcome-unknown.
+    connector.set_connect_timeout(Some((config.upstream_timeout / 2).min(CONNECT_TIMEOUT)));
     let http1 = Client::builder(TokioExecutor::new()).build(connector.clone());
     let http2 = Client::builder(TokioExecutor::new())
         .http2_only(true)
@@ -381,6 +396,7 @@ pub async fn serve<S: Store>(
         http1,
         http2,
         body_budget,
+        tasks: tokio_util::task::TaskTracker::new(),
     });
     crate::listen::serve_tcp_capped(
         listener,
@@ -424,6 +440,16 @@ pub async fn serve<S: Store>(
         },
     )
     .await;
+    // Keyed requests whose clients are gone still settle their records:
+    // cut short, they would be recovered claims (outcome unknown) later.
+    proxy.tasks.close();
+    let settle = proxy.config.upstream_timeout + proxy.config.lease_ttl;
+    if tokio::time::timeout(settle, proxy.tasks.wait()).await.is_err() {
+        tracing::warn!(
+            left = proxy.tasks.len(),
+            "keyed requests still running at shutdown; their keys will answer outcome-unknown"
+        );
+    }
     Ok(())
 }
 
@@ -460,10 +486,11 @@ enum ForwardError {
 
 /// An upstream answer's body, read up to `--max-response-bytes`.
 enum Gathered {
-    /// All of it.
+    /// All of it, and its share of the proxy's budget.
     Whole {
         data: Bytes,
         trailers: Option<http::HeaderMap>,
+        share: OwnedSemaphorePermit,
     },
     /// More than the limit: what was read, and the rest still to come.
     Over { read: Bytes, rest: Incoming },
@@ -642,10 +669,37 @@ impl<S: Store> Proxy<S> {
         protocol: Protocol,
     ) -> Answer {
         let (parts, body) = request.into_parts();
-        let (body, _budget) = match self.read_keyed_body(body).await {
+        let (body, budget) = match self.read_keyed_body(body).await {
             Ok(read) => read,
             Err(rejection) => return Answer::rejected(rejection, protocol),
         };
+        // Detached from here on: a client that disconnects (or an HTTP/2
+        // stream reset) cancels neither the claim — which may already be
+        // stored — nor the upstream call nor its commit, so its retry finds
+        // a settled record rather than an orphaned claim. The task keeps the
+        // body's share of the budget until it ends.
+        let proxy = Arc::clone(&self);
+        let run = self.tasks.spawn(async move {
+            let answer = proxy.claim_and_forward(parts, body, key, protocol).await;
+            drop(budget);
+            answer
+        });
+        match run.await {
+            Ok(answer) => answer,
+            Err(join) => {
+                tracing::error!(%join, "proxy request task failed");
+                Answer::rejected(Rejection::Internal("the proxy failed"), protocol)
+            }
+        }
+    }
+
+    async fn claim_and_forward(
+        self: Arc<Self>,
+        parts: http::request::Parts,
+        body: Bytes,
+        key: IdempotencyKey,
+        protocol: Protocol,
+    ) -> Answer {
         let caller = self.config.scope.identity(&parts.headers);
         let scope = Scope {
             method: &parts.method,
@@ -667,17 +721,17 @@ impl<S: Store> Proxy<S> {
             &parts.headers,
             &body,
         );
+        // This attempt's own ID: a claim retried after an error the store
+        // may have applied anyway gets the same claim back instead of
+        // finding it held (and later recovered, as if it had been sent).
+        claim.request_id = format!("{:032x}", rand::random::<u128>());
         // With --wait-in-flight, a retry that finds the first request
         // running looks again until it ends (replayed, or released and so
         // ours to run) or the wait is over.
         let waiting_until = Instant::now() + self.config.wait_in_flight;
         let outcome = loop {
-            let outcome = match self.engine.claim(&claim).await {
-                Ok(outcome) => outcome,
-                Err(error) => {
-                    tracing::warn!(%error, "the store did not answer; the request was not forwarded");
-                    return Answer::rejected(Rejection::StoreUnavailable, protocol);
-                }
+            let Some(outcome) = self.claim(&claim).await else {
+                return Answer::rejected(Rejection::StoreUnavailable, protocol);
             };
             let left = waiting_until.saturating_duration_since(Instant::now());
             match outcome {
@@ -689,38 +743,21 @@ impl<S: Store> Proxy<S> {
         };
         match outcome {
             ClaimOutcome::Claimed { record, recovered } => {
-                let request = Request::from_parts(parts, full(body));
-                // Detached: a client that disconnects does not stop the
-                // upstream call or its commit; its retry gets the replay.
-                let proxy = Arc::clone(&self);
                 let token = record.lease_token;
-                let report_unknown =
-                    recovered && self.config.after_unknown_outcome == AfterUnknownOutcome::Report;
-                let run = tokio::spawn(async move {
-                    if report_unknown {
-                        // The previous holder died (or lost its lease)
-                        // while it may have forwarded the request.
-                        proxy
-                            .unknown_outcome(
-                                record_key,
-                                token,
-                                "an earlier attempt's proxy stopped while the request may have been with the service".into(),
-                                protocol,
-                            )
-                            .await
-                    } else {
-                        proxy
-                            .first_request(record_key, token, request, protocol)
-                            .await
-                    }
-                });
-                match run.await {
-                    Ok(answer) => answer,
-                    Err(join) => {
-                        tracing::error!(%join, "proxy request task failed");
-                        Answer::rejected(Rejection::Internal("the proxy failed"), protocol)
-                    }
+                if recovered && self.config.after_unknown_outcome == AfterUnknownOutcome::Report {
+                    // The previous holder died (or lost its lease) while it
+                    // may have forwarded the request.
+                    return self
+                        .unknown_outcome(
+                            record_key,
+                            token,
+                            "an earlier attempt's proxy stopped while the request may have been with the service".into(),
+                            protocol,
+                        )
+                        .await;
                 }
+                let request = Request::from_parts(parts, full(body));
+                self.first_request(record_key, token, request, protocol).await
             }
             ClaimOutcome::Duplicate { record } => replay(
                 &record.response,
@@ -736,6 +773,28 @@ impl<S: Store> Proxy<S> {
                 Rejection::Internal("an ordering answer for a request without an ordering key"),
                 protocol,
             ),
+        }
+    }
+
+    /// Claims, retrying (with the claim's own request ID) while the store
+    /// does not answer, for up to [`CLAIM_RETRIES_FOR`]; `None`: it never
+    /// did, and nothing was forwarded.
+    async fn claim(&self, claim: &ClaimRequest) -> Option<ClaimOutcome> {
+        let give_up = Instant::now() + CLAIM_RETRIES_FOR.min(self.config.lease_ttl);
+        let mut pause = Duration::from_millis(50);
+        loop {
+            match self.engine.claim(claim).await {
+                Ok(outcome) => return Some(outcome),
+                Err(error) if error.may_pass() && Instant::now() + pause < give_up => {
+                    tracing::debug!(%error, "claim failed; retrying");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(500));
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "the store did not answer; the request was not forwarded");
+                    return None;
+                }
+            }
         }
     }
 
@@ -818,27 +877,31 @@ impl<S: Store> Proxy<S> {
         let (parts, body) = response.into_parts();
         let gathered = self.gather(body, deadline).await;
         let upstream = upstream_started.elapsed();
-        let (data, trailers) = match gathered {
-            Gathered::Whole { data, trailers } => (data, trailers),
+        let (data, trailers, gathered_share) = match gathered {
+            Gathered::Whole {
+                data,
+                trailers,
+                share,
+            } => (data, trailers, share),
             Gathered::Failed(problem) => {
                 let reason = format!("its answer broke off: {problem}");
                 let answer = self.unknown_outcome(key, token, reason, protocol).await;
                 return Answer { upstream, ..answer };
             }
             Gathered::Over { read, rest } => {
-                // The service acted and answered at length: the record says
-                // so (not replayable) before the answer streams on — except
-                // an HTTP status that says it did not act.
-                let acted = protocol == Protocol::Grpc || is_replayable(parts.status);
-                let (result, stored) = if acted {
-                    let stored = self
-                        .settle(&key, token, &self.stored_response(&parts, None, None))
-                        .await;
-                    ("forwarded", stored)
-                } else {
-                    self.release(key, token).await;
-                    ("released", true)
+                // The answer is long (or the gathering budget is spent): the
+                // record says what it can before the answer streams on —
+                // processed but not replayable, released, or unknown, by the
+                // status (gRPC's comes last, in the trailers: processed).
+                let disposition = match protocol {
+                    Protocol::Http => http_disposition(parts.status),
+                    Protocol::Grpc => Disposition::Keep,
                 };
+                let (result, stored) = self
+                    .settle_answer(&key, token, disposition, parts.status, || {
+                        self.stored_response(&parts, None, None)
+                    })
+                    .await;
                 drop(renewals);
                 let body = read_then_rest(read, rest, self.config.upstream_timeout);
                 let mut response = client_response(Response::from_parts(parts, body));
@@ -850,23 +913,21 @@ impl<S: Store> Proxy<S> {
                 };
             }
         };
-        let replayable = match protocol {
-            Protocol::Http => is_replayable(parts.status),
-            Protocol::Grpc => {
-                grpc_status(&parts.headers, trailers.as_ref()).is_some_and(is_replayable_grpc)
-            }
+        let disposition = match protocol {
+            Protocol::Http => http_disposition(parts.status),
+            Protocol::Grpc => grpc_disposition(grpc_status(&parts.headers, trailers.as_ref())),
         };
-        let (result, stored) = if replayable {
-            // A unary call answers one message; a streaming one was
-            // processed but is not kept.
-            let kept = (protocol == Protocol::Http || grpc_messages(&data) <= 1).then_some(&data);
-            let stored = self.stored_response(&parts, kept, trailers.as_ref());
-            ("forwarded", self.settle(&key, token, &stored).await)
-        } else {
-            self.release(key, token).await;
-            ("released", true)
-        };
+        let (result, stored) = self
+            .settle_answer(&key, token, disposition, parts.status, || {
+                // A unary call answers one message; a streaming one was
+                // processed but is not kept.
+                let kept =
+                    (protocol == Protocol::Http || grpc_messages(&data) <= 1).then_some(&data);
+                self.stored_response(&parts, kept, trailers.as_ref())
+            })
+            .await;
         drop(renewals);
+        drop(gathered_share);
         let mut response = client_response(Response::from_parts(
             parts,
             body_with_trailers(data, trailers),
@@ -876,6 +937,35 @@ impl<S: Store> Proxy<S> {
             response,
             result,
             upstream,
+        }
+    }
+
+    /// Settles the key after the upstream answered, by `disposition`:
+    /// commits `kept()`, releases it, or records the outcome unknown (or,
+    /// with `--after-unknown-outcome retry`, releases it). The metrics
+    /// result, and whether the record could be stored.
+    async fn settle_answer(
+        &self,
+        key: &Key,
+        token: LeaseToken,
+        disposition: Disposition,
+        status: StatusCode,
+        kept: impl FnOnce() -> Stored,
+    ) -> (&'static str, bool) {
+        match (disposition, self.config.after_unknown_outcome) {
+            (Disposition::Keep, _) => ("forwarded", self.settle(key, token, &kept()).await),
+            (Disposition::Release, _) | (Disposition::Unknown, AfterUnknownOutcome::Retry) => {
+                // Not stored, by design: a failed release only delays the
+                // retry until the lease ends.
+                self.release(key.clone(), token).await;
+                ("released", true)
+            }
+            (Disposition::Unknown, AfterUnknownOutcome::Report) => {
+                let reason = format!("a gateway in front of the service answered {status}");
+                tracing::warn!(%reason, "outcome unknown; the key will not be forwarded again");
+                let stored = Stored::OutcomeUnknown { reason };
+                ("outcome_unknown", self.settle(key, token, &stored).await)
+            }
         }
     }
 
@@ -895,9 +985,15 @@ impl<S: Store> Proxy<S> {
         })
     }
 
-    /// Reads an answer's body up to `--max-response-bytes`, by `deadline`.
+    /// Reads an answer's body up to `--max-response-bytes`, by `deadline`,
+    /// holding its bytes' share of the proxy's budget; when the budget is
+    /// spent, what was read streams on like a long answer.
     async fn gather(&self, mut body: Incoming, deadline: tokio::time::Instant) -> Gathered {
         let mut data = BytesMut::new();
+        let mut share = match Arc::clone(&self.body_budget).try_acquire_many_owned(0) {
+            Ok(share) => share,
+            Err(_) => return Gathered::Failed("the proxy is shutting down".into()),
+        };
         loop {
             let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
                 Err(_) => {
@@ -910,6 +1006,7 @@ impl<S: Store> Proxy<S> {
                     return Gathered::Whole {
                         data: data.freeze(),
                         trailers: None,
+                        share,
                     }
                 }
                 Ok(Some(Err(error))) => return Gathered::Failed(error.to_string()),
@@ -917,12 +1014,24 @@ impl<S: Store> Proxy<S> {
             };
             match frame.into_data() {
                 Ok(chunk) => {
+                    let more = u32::try_from(chunk.len())
+                        .ok()
+                        .and_then(|bytes| {
+                            Arc::clone(&self.body_budget)
+                                .try_acquire_many_owned(bytes)
+                                .ok()
+                        });
                     data.extend_from_slice(&chunk);
-                    if data.len() > self.config.max_response_bytes {
-                        return Gathered::Over {
-                            read: data.freeze(),
-                            rest: body,
-                        };
+                    match more {
+                        Some(more) if data.len() <= self.config.max_response_bytes => {
+                            share.merge(more);
+                        }
+                        _ => {
+                            return Gathered::Over {
+                                read: data.freeze(),
+                                rest: body,
+                            }
+                        }
                     }
                 }
                 Err(frame) => {
@@ -930,6 +1039,7 @@ impl<S: Store> Proxy<S> {
                         return Gathered::Whole {
                             data: data.freeze(),
                             trailers: Some(trailers),
+                            share,
                         };
                     }
                 }
