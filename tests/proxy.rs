@@ -149,9 +149,10 @@ async fn upstream() -> Upstream {
                                         format!("{{\"caller\":\"{authorization}\"}}"),
                                     )
                                 }
-                                "/gateway-timeout" => {
-                                    (StatusCode::GATEWAY_TIMEOUT, "upstream request timeout".into())
-                                }
+                                "/gateway-timeout" => (
+                                    StatusCode::GATEWAY_TIMEOUT,
+                                    "upstream request timeout".into(),
+                                ),
                                 "/flaky" if call == 1 => {
                                     (StatusCode::INTERNAL_SERVER_ERROR, "boom".into())
                                 }
@@ -1371,7 +1372,12 @@ async fn at_most_once_through_the_binary(store_flags: &[&str]) {
     let address = proxy_address(&sidecar);
     for attempt in 0..3 {
         let answer = post(address, "/slow", "timed-out", "{}").await;
-        assert_eq!(answer.status, StatusCode::BAD_GATEWAY, "attempt {attempt}: {}", answer.body);
+        assert_eq!(
+            answer.status,
+            StatusCode::BAD_GATEWAY,
+            "attempt {attempt}: {}",
+            answer.body
+        );
         assert_eq!(problem_type(&answer), "outcome-unknown");
     }
     assert_eq!(upstream.calls.get("/slow"), 1);
@@ -1385,7 +1391,10 @@ async fn at_most_once_through_the_binary(store_flags: &[&str]) {
             .header("idempotency-key", "killed")
             .body(Full::new(Bytes::from_static(b"{}")))
             .unwrap();
-        client.request(request).await.map(|response| response.status())
+        client
+            .request(request)
+            .await
+            .map(|response| response.status())
     });
     tokio::time::timeout(Duration::from_secs(5), async {
         while upstream.calls.get("/slow") < 2 {
@@ -1467,11 +1476,19 @@ async fn a_96_mib_keyed_answer_streams_in_bounded_memory() {
     );
     let address = proxy_address(&sidecar);
     let peak = || {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", sidecar.child.id())).unwrap();
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", sidecar.child.id())).unwrap();
         status
             .lines()
             .find_map(|line| line.strip_prefix("VmHWM:"))
-            .and_then(|value| value.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .and_then(|value| {
+                value
+                    .trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+            })
             .expect("VmHWM")
     };
     let before_kib = peak();

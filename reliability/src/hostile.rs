@@ -5,9 +5,14 @@
 //! times every call. The run passes when, in every phase, that client gets
 //! every answer, its p99 stays within 10× the quiet baseline's, and the
 //! sidecar's memory stays under a bound (and, in `idle-tcp`, the sidecar
-//! closes the silent connections).
+//! closes the silent connections; at the proxy, also the slow and oversized
+//! ones).
 //!
-//! The attacks write HTTP/2 by hand ([`crate::h2raw`]) on raw sockets:
+//! Two targets: the gRPC listener ([`Target::Grpc`], below) and the HTTP
+//! idempotency proxy ([`Target::Proxy`], in [`proxy`]).
+//!
+//! Against the gRPC listener, the attacks write HTTP/2 by hand
+//! ([`crate::h2raw`]) on raw sockets:
 //! - `idle-tcp`: connections that send nothing;
 //! - `idle-h2`: connections that send the preface and SETTINGS, then nothing;
 //! - `slowloris`: connections that open every stream they may (HEADERS of a
@@ -37,7 +42,11 @@ use tonic::transport::Channel;
 
 use crate::{h2raw, sidecar::Sidecar};
 
-/// The attacks, in the order they run.
+pub mod proxy;
+
+pub use proxy::PROXY_ATTACKS;
+
+/// The attacks on the gRPC listener, in the order they run.
 pub const ATTACKS: [&str; 6] = [
     "idle-tcp",
     "idle-h2",
@@ -47,9 +56,61 @@ pub const ATTACKS: [&str; 6] = [
     "non-reading",
 ];
 
+/// What the attacks and the well-behaved client talk to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Target {
+    /// The sidecar's gRPC listener.
+    Grpc,
+    /// Its HTTP idempotency proxy (`--http-proxy-listen`), in front of an
+    /// upstream the runner serves itself.
+    Proxy,
+}
+
+impl Target {
+    /// Its attacks, in the order they run.
+    pub fn attacks(self) -> &'static [&'static str] {
+        match self {
+            Target::Grpc => &ATTACKS,
+            Target::Proxy => &PROXY_ATTACKS,
+        }
+    }
+
+    /// Its name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Target::Grpc => "grpc",
+            Target::Proxy => "proxy",
+        }
+    }
+
+    /// How long a connection may stay silent before the sidecar closes it:
+    /// the gRPC listener's handshake timeout (its default, 5 s), the
+    /// proxy's header timeout (the runner starts it with 3 s).
+    pub fn first_bytes_deadline(self) -> Duration {
+        match self {
+            Target::Grpc => Duration::from_secs(5),
+            Target::Proxy => proxy::DEADLINE,
+        }
+    }
+}
+
+/// Every attack name of every target (for `--attack`'s help; which ones a
+/// target has is [`Target::attacks`]).
+pub fn all_attacks() -> Vec<&'static str> {
+    let mut names: Vec<&'static str> = ATTACKS.to_vec();
+    for name in PROXY_ATTACKS {
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    names
+}
+
 /// What a run does.
 #[derive(Debug, Clone)]
 pub struct HostileConfig {
+    /// What is attacked.
+    pub target: Target,
     /// How long each phase (the baseline, each attack, the recovery) lasts.
     pub phase: Duration,
     /// Connections of the idle attacks.
@@ -85,6 +146,18 @@ impl Latencies {
             .get(((sorted.len() as f64 * q).ceil() as usize).saturating_sub(1))
             .copied()
             .unwrap_or(0)
+    }
+}
+
+/// A well-behaved client, connected before any attack.
+trait WellBehaved {
+    /// Works for `duration` (keys named after `prefix`), timing every call.
+    async fn work(&mut self, prefix: &str, duration: Duration) -> Latencies;
+}
+
+impl WellBehaved for ClaimAndCommitClient<Channel> {
+    async fn work(&mut self, prefix: &str, duration: Duration) -> Latencies {
+        well_behaved(self, prefix, duration).await
     }
 }
 
@@ -143,7 +216,8 @@ pub struct AttackCounters {
     pub connections: AtomicU64,
     /// Connections the sidecar closed (read end or write error).
     pub closed_by_server: AtomicU64,
-    /// Streams opened (HEADERS sent).
+    /// Streams opened (HTTP/2: HEADERS sent; HTTP/1.1: request heads
+    /// begun).
     pub streams: AtomicU64,
     /// Bytes written.
     pub bytes: AtomicU64,
@@ -202,8 +276,29 @@ impl PhaseReport {
 }
 
 /// Runs the baseline, every attack in `attacks`, and a recovery phase
-/// against `sidecar`; one report per phase.
+/// against `sidecar`'s `config.target`; one report per phase.
 pub async fn run(
+    sidecar: &Sidecar,
+    config: &HostileConfig,
+    attacks: &[&str],
+) -> Result<Vec<PhaseReport>, String> {
+    if let Some(unknown) = attacks
+        .iter()
+        .find(|attack| !config.target.attacks().contains(attack))
+    {
+        return Err(format!(
+            "no attack named {unknown:?} for --target {} (known: {:?})",
+            config.target.name(),
+            config.target.attacks()
+        ));
+    }
+    match config.target {
+        Target::Grpc => run_grpc(sidecar, config, attacks).await,
+        Target::Proxy => proxy::run(sidecar, config, attacks).await,
+    }
+}
+
+async fn run_grpc(
     sidecar: &Sidecar,
     config: &HostileConfig,
     attacks: &[&str],
@@ -232,11 +327,23 @@ pub async fn run(
         })
         .await
         .map_err(|e| e.to_string())?;
+    phases(sidecar, config, attacks, sidecar.grpc, &mut client).await
+}
+
+/// The warm-up, the baseline, each attack on `target` and the recovery,
+/// with `client` working all along.
+async fn phases(
+    sidecar: &Sidecar,
+    config: &HostileConfig,
+    attacks: &[&str],
+    target: SocketAddr,
+    client: &mut impl WellBehaved,
+) -> Result<Vec<PhaseReport>, String> {
     // Warm-up, not counted.
-    well_behaved(&mut client, "warm-up", Duration::from_millis(500)).await;
+    client.work("warm-up", Duration::from_millis(500)).await;
 
     let mut reports = Vec::new();
-    let baseline = well_behaved(&mut client, "baseline", config.phase).await;
+    let baseline = client.work("baseline", config.phase).await;
     let baseline_p99 = f64::from(baseline.quantile(0.99).max(1));
     reports.push(report(
         "baseline",
@@ -250,17 +357,10 @@ pub async fn run(
         let counters = Arc::new(AttackCounters::default());
         let stop = Arc::new(AtomicBool::new(false));
         let mut attackers = JoinSet::new();
-        start_attack(
-            attack,
-            sidecar.grpc,
-            config,
-            &counters,
-            &stop,
-            &mut attackers,
-        )?;
+        start_attack(attack, target, config, &counters, &stop, &mut attackers)?;
         // Let the attack take hold before measuring.
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let latencies = well_behaved(&mut client, attack, config.phase).await;
+        let latencies = client.work(attack, config.phase).await;
         let sampled = report(
             attack,
             latencies,
@@ -275,7 +375,7 @@ pub async fn run(
         // The sidecar sees the attackers' sockets close.
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    let recovery = well_behaved(&mut client, "recovery", config.phase).await;
+    let recovery = client.work("recovery", config.phase).await;
     reports.push(report(
         "recovery",
         recovery,
@@ -298,9 +398,17 @@ fn report(
     let sample = sidecar.sample();
     let p99_ratio = f64::from(latencies.quantile(0.99)) / baseline_p99;
     // Connections that never send their first bytes are closed after the
-    // sidecar's 5 s handshake timeout (phases of 5 s or more see it).
-    let silent_ones_closed = phase != "idle-tcp"
-        || config.phase < Duration::from_secs(5)
+    // target's deadline (gRPC: the 5 s handshake timeout; the proxy: its
+    // 3 s header timeout), and so, at the proxy, are those that never end
+    // their head or body, or send one too large (phases at least that long
+    // see it).
+    let must_close = match (config.target, phase) {
+        (_, "idle-tcp") => Some(config.target.first_bytes_deadline()),
+        (Target::Proxy, "slowloris" | "slow-body") => Some(proxy::DEADLINE),
+        (Target::Proxy, "big-headers") => Some(Duration::ZERO),
+        _ => None,
+    };
+    let silent_ones_closed = must_close.is_none_or(|deadline| config.phase < deadline)
         || counters.is_some_and(|counters| counters.closed_by_server.load(Relaxed) > 0);
     let rss_bound_kib = rss_bound_kib(phase, config);
     let passed = latencies.errors == 0
@@ -328,13 +436,18 @@ const STREAMS_PER_CONNECTION: u64 = 128;
 const UNREAD_ANSWER_KIB: u64 = 96;
 
 /// The memory bound of a phase: the configured one, plus, for clients that
-/// never read, what HTTP/2 flow control lets them pin — every stream's
-/// answer (README, "HTTP/2 limits").
+/// never read, what they may pin: over gRPC, what HTTP/2 flow control lets
+/// them — every stream's answer (README, "HTTP/2 limits"); at the proxy,
+/// [`proxy::UNREAD_CONNECTION_KIB`] a connection.
 fn rss_bound_kib(phase: &str, config: &HostileConfig) -> u64 {
-    let pinned = if phase == "non-reading" {
-        config.attack_connections as u64 * STREAMS_PER_CONNECTION * UNREAD_ANSWER_KIB
-    } else {
-        0
+    let pinned = match (config.target, phase) {
+        (Target::Grpc, "non-reading") => {
+            config.attack_connections as u64 * STREAMS_PER_CONNECTION * UNREAD_ANSWER_KIB
+        }
+        (Target::Proxy, "non-reading") => {
+            config.attack_connections as u64 * proxy::UNREAD_CONNECTION_KIB
+        }
+        _ => 0,
     };
     config.max_rss_kib + pinned
 }
@@ -347,10 +460,20 @@ fn start_attack(
     stop: &Arc<AtomicBool>,
     attackers: &mut JoinSet<()>,
 ) -> Result<(), String> {
-    let connections = match attack {
-        "idle-tcp" | "idle-h2" => config.idle_connections,
-        "slowloris" | "rst-flood" | "big-metadata" | "non-reading" => config.attack_connections,
-        other => return Err(format!("no attack named {other:?} (known: {ATTACKS:?})")),
+    let target = config.target;
+    let connections = match (target, attack) {
+        (_, "idle-tcp") | (Target::Grpc, "idle-h2") => config.idle_connections,
+        (Target::Grpc, "slowloris" | "rst-flood" | "big-metadata" | "non-reading")
+        | (Target::Proxy, "slowloris" | "slow-body" | "big-headers" | "non-reading") => {
+            config.attack_connections
+        }
+        (target, other) => {
+            return Err(format!(
+                "no attack named {other:?} for --target {} (known: {:?})",
+                target.name(),
+                target.attacks()
+            ))
+        }
     };
     for index in 0..connections {
         let (counters, stop, attack) = (Arc::clone(counters), Arc::clone(stop), attack.to_owned());
@@ -367,13 +490,23 @@ fn start_attack(
                 };
                 let _ = socket.set_nodelay(true);
                 counters.connections.fetch_add(1, Relaxed);
-                let outcome = match attack.as_str() {
-                    "idle-tcp" => hold(&mut socket, &[], &stop).await,
-                    "idle-h2" => hold(&mut socket, &h2raw::open(), &stop).await,
-                    "slowloris" => slowloris(socket, &counters, &stop).await,
-                    "rst-flood" => rst_flood(socket, &counters, &stop).await,
-                    "big-metadata" => big_metadata(&mut socket, &counters).await,
-                    _ => non_reading(&mut socket, &counters, &stop).await,
+                let outcome = match (target, attack.as_str()) {
+                    (_, "idle-tcp") => hold(&mut socket, &[], &stop).await,
+                    (Target::Grpc, "idle-h2") => hold(&mut socket, &h2raw::open(), &stop).await,
+                    (Target::Grpc, "slowloris") => slowloris(socket, &counters, &stop).await,
+                    (Target::Grpc, "rst-flood") => rst_flood(socket, &counters, &stop).await,
+                    (Target::Grpc, "big-metadata") => big_metadata(&mut socket, &counters).await,
+                    (Target::Grpc, _) => non_reading(&mut socket, &counters, &stop).await,
+                    (Target::Proxy, "slowloris") => {
+                        proxy::slowloris(socket, &counters, &stop).await
+                    }
+                    (Target::Proxy, "slow-body") => {
+                        proxy::slow_body(socket, &counters, &stop).await
+                    }
+                    (Target::Proxy, "big-headers") => {
+                        proxy::big_headers(&mut socket, &counters).await
+                    }
+                    (Target::Proxy, _) => proxy::non_reading(&mut socket, &counters, &stop).await,
                 };
                 if outcome.is_err() {
                     counters.closed_by_server.fetch_add(1, Relaxed);

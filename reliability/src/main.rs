@@ -21,7 +21,8 @@ enum Command {
     Lincheck(LincheckArgs),
     /// Hostile clients (idle connections, slowloris, RST_STREAM flood, 10 MB
     /// metadata, a client that never reads) against a well-behaved client's
-    /// latency and the sidecar's memory.
+    /// latency and the sidecar's memory; on the gRPC listener, or on the HTTP
+    /// proxy (`--target proxy`).
     Hostile(HostileArgs),
     /// Mixed load with churn on a short retention for a long time, sampling
     /// memory, open files, disk and p99; then SIGKILL, restart, and a check
@@ -73,15 +74,23 @@ struct HostileArgs {
     #[arg(long, default_value_t = 10.0)]
     max_p99_ratio: f64,
     /// Fail when the sidecar's resident memory exceeds this, MiB (plus, in
-    /// the non-reading attack, 96 KiB for each stream its clients may hold:
-    /// connections × 128).
+    /// the non-reading attack, over gRPC 96 KiB for each stream its clients
+    /// may hold: connections × 128; at the proxy 2 MiB a connection).
     #[arg(long, default_value_t = 256)]
     max_rss_mib: u64,
-    /// Run only these attacks (default: all).
-    #[arg(long = "attack", value_parser = clap::builder::PossibleValuesParser::new(hostile::ATTACKS))]
+    /// What is attacked: the gRPC listener, or the HTTP idempotency proxy
+    /// (started in front of an upstream the runner serves, with 3 s head and
+    /// body deadlines).
+    #[arg(long, value_enum, default_value_t = hostile::Target::Grpc)]
+    target: hostile::Target,
+    /// Run only these attacks (default: all of the target's; grpc: idle-tcp,
+    /// idle-h2, slowloris, rst-flood, big-metadata, non-reading; proxy:
+    /// idle-tcp, slowloris, slow-body, big-headers, non-reading).
+    #[arg(long = "attack", value_parser = clap::builder::PossibleValuesParser::new(hostile::all_attacks()))]
     attacks: Vec<String>,
     /// CI's bounded run: 6 s phases (past the sidecar's 5 s deadline for a
-    /// connection's first bytes).
+    /// connection's first bytes), or 4 s at the proxy (past its 3 s
+    /// deadlines).
     #[arg(long)]
     quick: bool,
 }
@@ -248,6 +257,19 @@ async fn soak(args: SoakArgs) -> ExitCode {
 }
 
 async fn hostile(args: HostileArgs) -> ExitCode {
+    let known = args.target.attacks();
+    if let Some(unknown) = args
+        .attacks
+        .iter()
+        .find(|attack| !known.contains(&attack.as_str()))
+    {
+        eprintln!(
+            "dedupd-reliability: --attack {unknown} is not an attack on --target {} (its attacks: {})",
+            args.target.name(),
+            known.join(", ")
+        );
+        return ExitCode::FAILURE;
+    }
     // 10 000 idle connections are 10 000 descriptors here too.
     if let Err(error) = rlimit::increase_nofile_limit(u64::MAX) {
         eprintln!("dedupd-reliability: cannot raise the open-file limit: {error}");
@@ -260,10 +282,11 @@ async fn hostile(args: HostileArgs) -> ExitCode {
         }
     };
     let config = hostile::HostileConfig {
-        phase: if args.quick {
-            std::time::Duration::from_secs(6)
-        } else {
-            args.phase.into()
+        target: args.target,
+        phase: match (args.quick, args.target) {
+            (true, hostile::Target::Grpc) => std::time::Duration::from_secs(6),
+            (true, hostile::Target::Proxy) => std::time::Duration::from_secs(4),
+            (false, _) => args.phase.into(),
         },
         idle_connections: args.idle_connections,
         attack_connections: args.attack_connections,
@@ -271,12 +294,22 @@ async fn hostile(args: HostileArgs) -> ExitCode {
         max_rss_kib: args.max_rss_mib << 10,
     };
     let attacks: Vec<&str> = if args.attacks.is_empty() {
-        hostile::ATTACKS.to_vec()
+        known.to_vec()
     } else {
         args.attacks.iter().map(String::as_str).collect()
     };
     let outcome = async {
-        let sidecar = Sidecar::start(&args.dedupd, &data, &[]).await?;
+        // The proxy forwards to an upstream of the runner's own, which
+        // serves until the run ends.
+        let upstream = match args.target {
+            hostile::Target::Grpc => None,
+            hostile::Target::Proxy => Some(hostile::proxy::Upstream::start().await?),
+        };
+        let flags = upstream
+            .as_ref()
+            .map(hostile::proxy::Upstream::sidecar_flags)
+            .unwrap_or_default();
+        let sidecar = Sidecar::start(&args.dedupd, &data, &flags).await?;
         let reports = hostile::run(&sidecar, &config, &attacks).await;
         let alive = sidecar.sample().rss_kib > 0;
         let log = sidecar.log();
@@ -308,7 +341,7 @@ async fn hostile(args: HostileArgs) -> ExitCode {
                 ExitCode::SUCCESS
             } else {
                 eprintln!(
-                    "dedupd-reliability: out of bounds (errors, p99 over {}x the baseline's, RSS over its bound, or silent connections kept) in: {}",
+                    "dedupd-reliability: out of bounds (errors, p99 over {}x the baseline's, RSS over its bound, or silent, slow or oversized connections kept) in: {}",
                     args.max_p99_ratio,
                     failed.join(", ")
                 );

@@ -19,6 +19,9 @@ pub struct Sidecar {
     pub grpc: SocketAddr,
     /// Its ops (metrics, health) address.
     pub ops: SocketAddr,
+    /// Its HTTP idempotency proxy's address, when `flags` turned it on
+    /// (`--http-proxy-listen`).
+    pub http_proxy: Option<SocketAddr>,
     log: PathBuf,
 }
 
@@ -67,9 +70,14 @@ impl Sidecar {
                 .and_then(|text| text.parse().ok())
                 .ok_or_else(|| format!("no address in the ready file: {announced}"))
         };
+        let http_proxy = match &announced["http_proxy"] {
+            serde_json::Value::Null => None,
+            value => Some(address(value)?),
+        };
         Ok(Sidecar {
             grpc: address(&announced["grpc"][0])?,
             ops: address(&announced["metrics"])?,
+            http_proxy,
             child,
             log,
         })

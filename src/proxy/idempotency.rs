@@ -373,7 +373,8 @@ fn exact_numbers(body: &[u8]) -> Option<Vec<u8>> {
 /// Whether `text` is a number by JSON's grammar (RFC 8259 §6):
 /// `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`.
 fn is_json_number(text: &str) -> bool {
-    let digits = |text: &str| text.len() - text.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+    let digits =
+        |text: &str| text.len() - text.trim_start_matches(|c: char| c.is_ascii_digit()).len();
     let mut rest = text.strip_prefix('-').unwrap_or(text);
     match digits(rest) {
         0 => return false,
@@ -956,11 +957,19 @@ mod tests {
         // UNKNOWN, RESOURCE_EXHAUSTED, ABORTED, UNIMPLEMENTED, INTERNAL,
         // UNAVAILABLE, DATA_LOSS.
         for released in [2, 8, 10, 12, 13, 14, 15] {
-            assert_eq!(grpc_disposition(Some(released)), Disposition::Release, "{released}");
+            assert_eq!(
+                grpc_disposition(Some(released)),
+                Disposition::Release,
+                "{released}"
+            );
         }
         // CANCELLED, DEADLINE_EXCEEDED, and no status at all.
         for unknown in [Some(1), Some(4), None] {
-            assert_eq!(grpc_disposition(unknown), Disposition::Unknown, "{unknown:?}");
+            assert_eq!(
+                grpc_disposition(unknown),
+                Disposition::Unknown,
+                "{unknown:?}"
+            );
         }
     }
 
@@ -1004,10 +1013,20 @@ mod tests {
 
     #[test]
     fn only_json_numbers_are_numbers_and_huge_exponents_keep_their_text() {
-        for number in ["0", "-0", "10", "1.5", "-1.5e-3", "1E+2", "9007199254740993"] {
+        for number in [
+            "0",
+            "-0",
+            "10",
+            "1.5",
+            "-1.5e-3",
+            "1E+2",
+            "9007199254740993",
+        ] {
             assert!(is_json_number(number), "{number}");
         }
-        for not_json in ["09", "1.", ".5", "-", "1e", "1e+", "--1", "1.2.3", "+1", "0x1"] {
+        for not_json in [
+            "09", "1.", ".5", "-", "1e", "1e+", "--1", "1.2.3", "+1", "0x1",
+        ] {
             assert!(!is_json_number(not_json), "{not_json}");
         }
         // Leading zeros are not JSON: the body is fingerprinted as bytes,
@@ -1023,7 +1042,10 @@ mod tests {
             order(br#"{"x":1e99999999999999999999}"#),
             order(br#"{"x":1e-99999999999999999999}"#)
         );
-        assert_ne!(order(b"[10e9223372036854775807]"), order(b"[1e-9223372036854775807]"));
+        assert_ne!(
+            order(b"[10e9223372036854775807]"),
+            order(b"[1e-9223372036854775807]")
+        );
     }
 
     #[test]

@@ -43,8 +43,8 @@ use tokio::{
 use tonic::transport::server::Connected;
 
 use super::idempotency::{
-    end_to_end, fingerprint, grpc_disposition, http_disposition, may_store, storable, CallerScope, Disposition,
-    IdempotencyKey, KeySyntax, RoutePattern, Scope, Stored, StoredResponse,
+    end_to_end, fingerprint, grpc_disposition, http_disposition, may_store, storable, CallerScope,
+    Disposition, IdempotencyKey, KeySyntax, RoutePattern, Scope, Stored, StoredResponse,
 };
 use crate::{
     domain::{
@@ -444,7 +444,10 @@ pub async fn serve<S: Store>(
     // cut short, they would be recovered claims (outcome unknown) later.
     proxy.tasks.close();
     let settle = proxy.config.upstream_timeout + proxy.config.lease_ttl;
-    if tokio::time::timeout(settle, proxy.tasks.wait()).await.is_err() {
+    if tokio::time::timeout(settle, proxy.tasks.wait())
+        .await
+        .is_err()
+    {
         tracing::warn!(
             left = proxy.tasks.len(),
             "keyed requests still running at shutdown; their keys will answer outcome-unknown"
@@ -757,7 +760,8 @@ impl<S: Store> Proxy<S> {
                         .await;
                 }
                 let request = Request::from_parts(parts, full(body));
-                self.first_request(record_key, token, request, protocol).await
+                self.first_request(record_key, token, request, protocol)
+                    .await
             }
             ClaimOutcome::Duplicate { record } => replay(
                 &record.response,
@@ -1014,13 +1018,11 @@ impl<S: Store> Proxy<S> {
             };
             match frame.into_data() {
                 Ok(chunk) => {
-                    let more = u32::try_from(chunk.len())
-                        .ok()
-                        .and_then(|bytes| {
-                            Arc::clone(&self.body_budget)
-                                .try_acquire_many_owned(bytes)
-                                .ok()
-                        });
+                    let more = u32::try_from(chunk.len()).ok().and_then(|bytes| {
+                        Arc::clone(&self.body_budget)
+                            .try_acquire_many_owned(bytes)
+                            .ok()
+                    });
                     data.extend_from_slice(&chunk);
                     match more {
                         Some(more) if data.len() <= self.config.max_response_bytes => {

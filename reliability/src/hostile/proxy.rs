@@ -1,0 +1,382 @@
+//! Hostile clients against the sidecar's HTTP idempotency proxy
+//! (`hostile --target proxy`). The runner serves the upstream itself
+//! ([`Upstream`]: 201 to everything) and starts the sidecar with the proxy
+//! in front of it and 3 s head and body deadlines ([`Upstream::sidecar_flags`]).
+//! The well-behaved client is one HTTP/1.1 keep-alive connection sending
+//! `POST /orders` with a fresh `Idempotency-Key` each time.
+//!
+//! The attacks write HTTP/1.1 by hand on raw sockets:
+//! - `idle-tcp`: connections that send nothing;
+//! - `slowloris`: a request head sent a byte a second, never ended;
+//! - `slow-body`: a keyed request whose 1 MB body comes 10 bytes a second;
+//! - `big-headers`: a request head carrying a 1 MiB header value;
+//! - `non-reading`: keyed `POST /big` requests (a 60 KiB answer each),
+//!   pipelined 32 a write, and not one byte of the answers read.
+
+use std::{
+    convert::Infallible,
+    net::SocketAddr,
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
+        Arc, OnceLock,
+    },
+    time::{Duration, Instant},
+};
+
+use http_body_util::{BodyExt, Full};
+use hyper::{
+    body::{Bytes, Incoming},
+    header::{HeaderValue, CONTENT_TYPE},
+    Request, Response, StatusCode, Uri,
+};
+use hyper_util::{
+    client::legacy::{connect::HttpConnector, Client},
+    rt::{TokioExecutor, TokioIo},
+};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpStream},
+    task::JoinSet,
+};
+
+use super::{AttackCounters, HostileConfig, Latencies, PhaseReport, WellBehaved};
+use crate::sidecar::Sidecar;
+
+/// The attacks on the proxy, in the order they run.
+pub const PROXY_ATTACKS: [&str; 5] = [
+    "idle-tcp",
+    "slowloris",
+    "slow-body",
+    "big-headers",
+    "non-reading",
+];
+
+/// The proxy's head and body deadlines in this run
+/// (`--http-proxy-header-timeout`, `--http-proxy-body-timeout`); the head
+/// deadline is also its deadline for a connection's first bytes.
+pub const DEADLINE: Duration = Duration::from_secs(3);
+
+/// What one connection that never reads may pin in the proxy, KiB, over
+/// the configured memory bound: the answer hyper is stuck writing (60 KiB,
+/// queued as it is), its head buffer (at most 64 KiB, the proxy's head
+/// limit) and the handler's state for the request in progress (its gathered
+/// upstream answer, 60 KiB, and the upstream connection): some 200 KiB,
+/// allowed 2 MiB for the allocator's slack. Not in it: the answers these
+/// requests commit (some 60 a connection before the socket buffers fill),
+/// which the store keeps as it keeps anyone's.
+pub const UNREAD_CONNECTION_KIB: u64 = 2 << 10;
+
+/// The upstream's answer to `/big`, bytes.
+const BIG_ANSWER_BYTES: usize = 60 << 10;
+
+/// The upstream the proxy forwards to, serving HTTP/1.1 on loopback: 201
+/// to every request, with 60 KiB for `/big` and `{"ok":true}` otherwise.
+/// Stopped when dropped.
+#[derive(Debug)]
+pub struct Upstream {
+    /// Where it listens.
+    pub address: SocketAddr,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Upstream {
+    /// Binds 127.0.0.1:0 and serves.
+    pub async fn start() -> Result<Upstream, String> {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|e| format!("the upstream cannot listen: {e}"))?;
+        let address = listener
+            .local_addr()
+            .map_err(|e| format!("the upstream's address: {e}"))?;
+        let server = tokio::spawn(async move {
+            // Owned here: aborting the server drops every connection.
+            let mut connections = JoinSet::new();
+            loop {
+                while connections.try_join_next().is_some() {}
+                let Ok((stream, _)) = listener.accept().await else {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                };
+                let _ = stream.set_nodelay(true);
+                connections.spawn(async move {
+                    let service = hyper::service::service_fn(answer);
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Ok(Upstream { address, server })
+    }
+
+    /// The sidecar's flags that put its proxy in front of this upstream,
+    /// with [`DEADLINE`] for heads and bodies.
+    pub fn sidecar_flags(&self) -> Vec<String> {
+        let deadline = humantime::format_duration(DEADLINE).to_string();
+        vec![
+            "--http-proxy-listen".into(),
+            "127.0.0.1:0".into(),
+            "--http-proxy-upstream".into(),
+            format!("http://{}", self.address),
+            "--http-proxy-header-timeout".into(),
+            deadline.clone(),
+            "--http-proxy-body-timeout".into(),
+            deadline,
+        ]
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+async fn answer(request: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+    static BIG: OnceLock<Bytes> = OnceLock::new();
+    let body = if request.uri().path() == "/big" {
+        BIG.get_or_init(|| Bytes::from(vec![b'x'; BIG_ANSWER_BYTES]))
+            .clone()
+    } else {
+        Bytes::from_static(br#"{"ok":true}"#)
+    };
+    // The request's body is read whole, as a service does.
+    let _ = request.into_body().collect().await;
+    let mut response = Response::new(Full::new(body));
+    *response.status_mut() = StatusCode::CREATED;
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    Ok(response)
+}
+
+/// The well-behaved client: one pooled HTTP/1.1 keep-alive connection.
+struct HttpClient {
+    client: Client<HttpConnector, Full<Bytes>>,
+    orders: Uri,
+}
+
+impl HttpClient {
+    /// `POST /orders` with `key`, within 5 s: the answer's status, its body
+    /// read whole.
+    async fn order(&self, key: &str) -> Result<StatusCode, String> {
+        let request = Request::post(self.orders.clone())
+            .header("idempotency-key", key)
+            .header(CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .map_err(|e| e.to_string())?;
+        let answered = tokio::time::timeout(Duration::from_secs(5), async {
+            let response = self
+                .client
+                .request(request)
+                .await
+                .map_err(|e| e.to_string())?;
+            let status = response.status();
+            response
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(status)
+        })
+        .await;
+        answered.unwrap_or_else(|_| Err("no answer within 5 s".into()))
+    }
+}
+
+impl WellBehaved for HttpClient {
+    async fn work(&mut self, prefix: &str, duration: Duration) -> Latencies {
+        let mut latencies = Latencies::default();
+        let end = Instant::now() + duration;
+        let mut i = 0u64;
+        while Instant::now() < end {
+            i += 1;
+            let started = Instant::now();
+            match self.order(&format!("good-{prefix}-{i}")).await {
+                Ok(StatusCode::CREATED) => {
+                    latencies.samples.push(started.elapsed().as_micros() as u32)
+                }
+                _ => latencies.errors += 1,
+            }
+        }
+        latencies
+    }
+}
+
+/// Runs the phases against `sidecar`'s proxy.
+pub(super) async fn run(
+    sidecar: &Sidecar,
+    config: &HostileConfig,
+    attacks: &[&str],
+) -> Result<Vec<PhaseReport>, String> {
+    let address = sidecar
+        .http_proxy
+        .ok_or("the sidecar announced no HTTP proxy in its ready file")?;
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    let mut client = HttpClient {
+        client: Client::builder(TokioExecutor::new()).build(connector),
+        orders: format!("http://{address}/orders")
+            .parse()
+            .map_err(|e| format!("the proxy's URI: {e}"))?,
+    };
+    // Through the proxy to the upstream and back, before anything else.
+    match client.order("good-check").await {
+        Ok(StatusCode::CREATED) => {}
+        Ok(status) => return Err(format!("the proxy answered {status}, not 201 Created")),
+        Err(error) => return Err(format!("the well-behaved client got no answer: {error}")),
+    }
+    super::phases(sidecar, config, attacks, address, &mut client).await
+}
+
+/// Sleeps `duration`, ending early when `stop` or `closed` is set.
+async fn pause(duration: Duration, stop: &AtomicBool, closed: &AtomicBool) {
+    let end = Instant::now() + duration;
+    while Instant::now() < end && !stop.load(Relaxed) && !closed.load(Relaxed) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Writes `opening`, then `trickle` byte after byte (cycling), `per_pause`
+/// bytes every second, reading and dropping whatever the proxy sends, until
+/// stopped; `Err` when the proxy closed the connection.
+async fn trickle(
+    socket: TcpStream,
+    counters: &AttackCounters,
+    stop: &AtomicBool,
+    opening: &[u8],
+    trickle: &[u8],
+    per_pause: usize,
+) -> Result<(), ()> {
+    let (reader, mut writer) = socket.into_split();
+    let closed = Arc::new(AtomicBool::new(false));
+    super::drain(reader, Arc::clone(&closed));
+    writer.write_all(opening).await.map_err(drop)?;
+    counters.streams.fetch_add(1, Relaxed);
+    counters.bytes.fetch_add(opening.len() as u64, Relaxed);
+    let mut bytes = trickle.iter().copied().cycle();
+    while !stop.load(Relaxed) && !closed.load(Relaxed) {
+        pause(Duration::from_secs(1), stop, &closed).await;
+        if stop.load(Relaxed) || closed.load(Relaxed) {
+            break;
+        }
+        let some: Vec<u8> = bytes.by_ref().take(per_pause).collect();
+        writer.write_all(&some).await.map_err(drop)?;
+        counters.bytes.fetch_add(some.len() as u64, Relaxed);
+    }
+    if closed.load(Relaxed) {
+        Err(())
+    } else {
+        Ok(())
+    }
+}
+
+/// A request line and a header, then more header lines a byte a second:
+/// the head never ends.
+pub(super) async fn slowloris(
+    socket: TcpStream,
+    counters: &AttackCounters,
+    stop: &AtomicBool,
+) -> Result<(), ()> {
+    let opening = b"POST /orders HTTP/1.1\r\nHost: x\r\n";
+    trickle(socket, counters, stop, opening, b"X-Slowloris: 1\r\n", 1).await
+}
+
+/// A keyed request announcing a 1 MB body, which comes 10 bytes a second.
+pub(super) async fn slow_body(
+    socket: TcpStream,
+    counters: &AttackCounters,
+    stop: &AtomicBool,
+) -> Result<(), ()> {
+    let head = format!(
+        "POST /orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: slow-{:016x}\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n",
+        rand::random::<u64>()
+    );
+    trickle(socket, counters, stop, head.as_bytes(), b"0123456789", 10).await
+}
+
+/// A request whose head carries a 1 MiB header value, written 64 KiB at a
+/// time, then a read until the proxy ends the connection (or 5 s pass);
+/// `Err` when it did.
+pub(super) async fn big_headers(
+    socket: &mut TcpStream,
+    counters: &AttackCounters,
+) -> Result<(), ()> {
+    // Built once for every attacker: building it is the attacker's work,
+    // and it shares the CPUs with the sidecar.
+    static REQUEST: OnceLock<Vec<u8>> = OnceLock::new();
+    let request = REQUEST.get_or_init(|| {
+        let mut request = b"POST /orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: big-headers\r\nContent-Type: application/json\r\nContent-Length: 2\r\nX-Big: ".to_vec();
+        request.extend(std::iter::repeat_n(b'x', 1 << 20));
+        request.extend(b"\r\n\r\n{}");
+        request
+    });
+    counters.streams.fetch_add(1, Relaxed);
+    let (mut reader, mut writer) = socket.split();
+    let sent = AtomicU64::new(0);
+    let write = async {
+        for chunk in request.chunks(64 << 10) {
+            if writer.write_all(chunk).await.is_err() {
+                break;
+            }
+            sent.fetch_add(chunk.len() as u64, Relaxed);
+        }
+    };
+    // An answer (431) is read and dropped: the proxy must also close.
+    let read = async {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            match reader.read(&mut buf).await {
+                Ok(0) | Err(_) => return Err(()),
+                Ok(_) => {}
+            }
+        }
+    };
+    let outcome = tokio::time::timeout(Duration::from_secs(5), async {
+        tokio::join!(write, read).1
+    })
+    .await
+    .unwrap_or(Ok(()));
+    counters.bytes.fetch_add(sent.load(Relaxed), Relaxed);
+    outcome
+}
+
+/// Keyed `POST /big` requests (fresh keys, a 60 KiB answer each), 32
+/// pipelined a write, a write a second, and not one byte read.
+pub(super) async fn non_reading(
+    socket: &mut TcpStream,
+    counters: &AttackCounters,
+    stop: &AtomicBool,
+) -> Result<(), ()> {
+    const PER_WRITE: u64 = 32;
+    static KEYS: AtomicU64 = AtomicU64::new(0);
+    while !stop.load(Relaxed) {
+        let mut burst = Vec::new();
+        for _ in 0..PER_WRITE {
+            let key = KEYS.fetch_add(1, Relaxed);
+            burst.extend(
+                format!(
+                    "POST /big HTTP/1.1\r\nHost: x\r\nIdempotency-Key: big-{key}\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{{}}"
+                )
+                .as_bytes(),
+            );
+        }
+        // The proxy's answers are never read: once the socket's buffers
+        // fill, it must stop reading us rather than buffer without end.
+        match tokio::time::timeout(Duration::from_secs(1), socket.write_all(&burst)).await {
+            Ok(Err(_)) => return Err(()),
+            Ok(Ok(())) => {
+                counters.streams.fetch_add(PER_WRITE, Relaxed);
+                counters.bytes.fetch_add(burst.len() as u64, Relaxed);
+            }
+            // The proxy stopped reading us (a request may be cut short, so
+            // nothing more is written): hold the connection as it is.
+            Err(_) => break,
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    while !stop.load(Relaxed) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
+}
