@@ -348,8 +348,9 @@ pub struct HttpProxyArgs {
         default_value_t = AfterUnknownOutcomeArg::Report
     )]
     pub http_proxy_after_unknown_outcome: AfterUnknownOutcomeArg,
-    /// Longest a client may take to send a request's head, and longest an
-    /// HTTP/1 connection may sit idle between requests.
+    /// Longest a client may take to send a request's head, longest an
+    /// HTTP/1 connection may sit idle between requests, and longest an
+    /// answer may wait for the client to read any of it.
     #[arg(long, env = "DEDUPD_HTTP_PROXY_HEADER_TIMEOUT", default_value = "10s")]
     pub http_proxy_header_timeout: humantime::Duration,
     /// Longest a client may take to send the body of a keyed request

@@ -243,6 +243,99 @@ impl<IO: Connected> Connected for Capped<IO> {
     }
 }
 
+/// A connection whose writes must make progress: once a write has waited
+/// longer than `stall` without the peer taking a byte — a client that
+/// never reads its answers — the connection fails, instead of holding its
+/// slot, its buffers and its upstream for good. hyper has no write timeout
+/// of its own, and its header timeout is not armed while it writes.
+#[derive(Debug)]
+pub(crate) struct WriteDeadline<IO> {
+    io: IO,
+    stall: Duration,
+    /// Armed at the first write that could not proceed; disarmed by any
+    /// progress.
+    stalled_since: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<IO> WriteDeadline<IO> {
+    pub(crate) fn new(io: IO, stall: Duration) -> Self {
+        WriteDeadline {
+            io,
+            stall,
+            stalled_since: None,
+        }
+    }
+
+    /// `Pending` from a write: arms the deadline, or fails once it passed.
+    fn waited(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        let stall = self.stall;
+        let deadline = self
+            .stalled_since
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(stall)));
+        if deadline.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the client read nothing of its answer in time",
+            )));
+        }
+        Poll::Pending
+    }
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for WriteDeadline<IO> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<IO> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        match Pin::new(&mut this.io).poll_write(cx, buf) {
+            Poll::Pending => this.waited(cx),
+            ready => {
+                this.stalled_since = None;
+                ready
+            }
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        match Pin::new(&mut this.io).poll_write_vectored(cx, bufs) {
+            Poll::Pending => this.waited(cx),
+            ready => {
+                this.stalled_since = None;
+                ready
+            }
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
 /// A listener the accept loop can drive.
 pub(crate) trait Accept: Send + Sync + 'static {
     /// The connections it yields.

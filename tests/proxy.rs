@@ -1565,3 +1565,40 @@ async fn a_keyed_body_slower_than_its_deadline_is_408_and_not_forwarded() {
     assert_eq!(whole.status, StatusCode::OK, "the key was never claimed");
     assert_eq!(upstream.calls.get("/echo"), 1);
 }
+
+/// A client that never reads its (32 MiB) answer is cut off once the
+/// proxy's writes have made no progress for the header timeout, instead of
+/// holding its connection, buffers and upstream call for good.
+#[tokio::test]
+async fn a_client_that_never_reads_is_cut_off() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let upstream = upstream().await;
+    let proxy = proxy_with(&upstream, |config| {
+        config.header_timeout = Duration::from_millis(500);
+    })
+    .await;
+    let mut socket = tokio::net::TcpStream::connect(proxy.address).await.unwrap();
+    socket
+        .write_all(b"POST /big?mib=32 HTTP/1.1\r\nHost: x\r\nIdempotency-Key: never-read\r\nContent-Length: 2\r\n\r\n{}")
+        .await
+        .unwrap();
+    // Read nothing while the buffers fill and the deadline passes.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let mut received = 0usize;
+    let mut buffer = vec![0u8; 1 << 20];
+    let ended = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match socket.read(&mut buffer).await {
+                Ok(0) | Err(_) => return,
+                Ok(read) => received += read,
+            }
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the connection was still open");
+    assert!(
+        received < 32 << 20,
+        "the whole answer ({received} bytes) was delivered: nothing was cut off"
+    );
+    assert_eq!(upstream.calls.get("/big"), 1);
+}

@@ -133,8 +133,9 @@ pub struct ProxyConfig {
     pub wait_in_flight: Duration,
     /// What a timeout, a reset or a dead proxy leaves behind.
     pub after_unknown_outcome: AfterUnknownOutcome,
-    /// The longest a client may take to send a request head (and the
-    /// longest an HTTP/1 connection may sit idle between requests).
+    /// The longest a client may take to send a request head, the longest
+    /// an HTTP/1 connection may sit idle between requests, and the longest
+    /// an answer may wait for the client to read any of it.
     pub header_timeout: Duration,
     /// The longest a client may take to send a keyed request's body.
     pub body_timeout: Duration,
@@ -431,6 +432,9 @@ pub async fn serve<S: Store>(
                     .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESET_STREAMS))
                     .keep_alive_interval(Some(limits.keepalive_interval))
                     .keep_alive_timeout(limits.keepalive_timeout);
+                // A client that stops reading its answers is cut off after
+                // the header timeout without progress.
+                let stream = crate::listen::WriteDeadline::new(stream, header_timeout);
                 let connection = builder.serve_connection(TokioIo::new(stream), service);
                 let ended = crate::listen::until_stopped(connection, &stopping).await;
                 if let Err(error) = ended {

@@ -349,21 +349,20 @@ pub(super) async fn non_reading(
     stop: &AtomicBool,
 ) -> Result<(), ()> {
     const PER_WRITE: u64 = 32;
-    static KEYS: AtomicU64 = AtomicU64::new(0);
+    static CONNECTIONS: AtomicU64 = AtomicU64::new(0);
+    // One key per connection: its first request is forwarded and stored,
+    // the rest are replays — the attack is the unread answers, not a
+    // stream of new records (which the store keeps for the retention).
+    let key = CONNECTIONS.fetch_add(1, Relaxed);
+    let request = format!(
+        "POST /big HTTP/1.1\r\nHost: x\r\nIdempotency-Key: big-{key}\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{{}}"
+    );
     while !stop.load(Relaxed) {
-        let mut burst = Vec::new();
-        for _ in 0..PER_WRITE {
-            let key = KEYS.fetch_add(1, Relaxed);
-            burst.extend(
-                format!(
-                    "POST /big HTTP/1.1\r\nHost: x\r\nIdempotency-Key: big-{key}\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{{}}"
-                )
-                .as_bytes(),
-            );
-        }
+        let burst = request.repeat(PER_WRITE as usize);
         // The proxy's answers are never read: once the socket's buffers
         // fill, it must stop reading us rather than buffer without end.
-        match tokio::time::timeout(Duration::from_secs(1), socket.write_all(&burst)).await {
+        match tokio::time::timeout(Duration::from_secs(1), socket.write_all(burst.as_bytes())).await
+        {
             Ok(Err(_)) => return Err(()),
             Ok(Ok(())) => {
                 counters.streams.fetch_add(PER_WRITE, Relaxed);
@@ -375,8 +374,15 @@ pub(super) async fn non_reading(
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
+    // Still without reading: the proxy closes a connection whose answers
+    // make no progress (its header timeout); a write then fails.
     while !stop.load(Relaxed) {
         tokio::time::sleep(Duration::from_millis(100)).await;
+        match socket.try_write(b"\r\n") {
+            Ok(_) => {}
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(_) => return Err(()),
+        }
     }
     Ok(())
 }
