@@ -1220,11 +1220,24 @@ async fn bare_and_quoted_keys_dedupe_together() {
     assert_eq!(upstream.calls.get("/orders"), 1);
 }
 
+/// Writes `request` on a new connection as it is and reads the first
+/// answer bytes (within 5 s).
+async fn raw_answer(address: SocketAddr, request: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut socket = tokio::net::TcpStream::connect(address).await.unwrap();
+    socket.write_all(request).await.unwrap();
+    let mut answer = vec![0u8; 4096];
+    let read = tokio::time::timeout(Duration::from_secs(5), socket.read(&mut answer))
+        .await
+        .expect("an answer within 5 s")
+        .unwrap();
+    String::from_utf8_lossy(&answer[..read]).into_owned()
+}
+
 /// CONNECT and an asterisk-form target are answered, and the proxy goes on
 /// serving (they used to panic a task).
 #[tokio::test]
 async fn connect_and_non_path_targets_are_answered() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let upstream = upstream().await;
     let proxy = proxy(&upstream).await;
     for (request, status) in [
@@ -1234,14 +1247,7 @@ async fn connect_and_non_path_targets_are_answered() {
         ),
         ("OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n", "400"),
     ] {
-        let mut socket = tokio::net::TcpStream::connect(proxy.address).await.unwrap();
-        socket.write_all(request.as_bytes()).await.unwrap();
-        let mut answer = vec![0u8; 4096];
-        let read = tokio::time::timeout(Duration::from_secs(5), socket.read(&mut answer))
-            .await
-            .expect("an answer")
-            .unwrap();
-        let answer = String::from_utf8_lossy(&answer[..read]);
+        let answer = raw_answer(proxy.address, request.as_bytes()).await;
         assert!(
             answer.starts_with(&format!("HTTP/1.1 {status}")),
             "{request:?}: {answer}"
@@ -1541,23 +1547,16 @@ async fn a_gateway_timeout_is_an_unknown_outcome() {
 /// forwarded; the key stays free.
 #[tokio::test]
 async fn a_keyed_body_slower_than_its_deadline_is_408_and_not_forwarded() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let upstream = upstream().await;
     let proxy = proxy_with(&upstream, |config| {
         config.body_timeout = Duration::from_millis(500);
     })
     .await;
-    let mut socket = tokio::net::TcpStream::connect(proxy.address).await.unwrap();
-    socket
-        .write_all(b"POST /echo HTTP/1.1\r\nHost: x\r\nIdempotency-Key: slow-body\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"a\":")
-        .await
-        .unwrap();
-    let mut answer = vec![0u8; 4096];
-    let read = tokio::time::timeout(Duration::from_secs(5), socket.read(&mut answer))
-        .await
-        .expect("an answer within the deadline")
-        .unwrap();
-    let answer = String::from_utf8_lossy(&answer[..read]);
+    let answer = raw_answer(
+        proxy.address,
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nIdempotency-Key: slow-body\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"a\":",
+    )
+    .await;
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
     assert!(answer.contains("request-body-timeout"), "{answer}");
     assert_eq!(upstream.calls.get("/echo"), 0);

@@ -633,6 +633,17 @@ async fn big_metadata(socket: &mut TcpStream, counters: &AttackCounters) -> Resu
         request.extend(h2raw::grpc_data(1, &claim_message("big-metadata")));
         request
     });
+    send_whole_until_closed(socket, request, counters).await
+}
+
+/// Writes `request` (one oversized request) in 64 KiB pieces while reading
+/// and dropping whatever comes back, until the server ends the connection
+/// (`Err`) or 5 s pass.
+pub(crate) async fn send_whole_until_closed(
+    socket: &mut TcpStream,
+    request: &[u8],
+    counters: &AttackCounters,
+) -> Result<(), ()> {
     counters.streams.fetch_add(1, Relaxed);
     let (mut reader, mut writer) = socket.split();
     let sent = AtomicU64::new(0);

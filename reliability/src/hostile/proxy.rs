@@ -34,7 +34,7 @@ use hyper_util::{
     rt::{TokioExecutor, TokioIo},
 };
 use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
+    io::AsyncWriteExt,
     net::{TcpListener, TcpStream},
     task::JoinSet,
 };
@@ -311,38 +311,12 @@ pub(super) async fn big_headers(
         request.extend(b"\r\n\r\n{}");
         request
     });
-    counters.streams.fetch_add(1, Relaxed);
-    let (mut reader, mut writer) = socket.split();
-    let sent = AtomicU64::new(0);
-    let write = async {
-        for chunk in request.chunks(64 << 10) {
-            if writer.write_all(chunk).await.is_err() {
-                break;
-            }
-            sent.fetch_add(chunk.len() as u64, Relaxed);
-        }
-    };
     // An answer (431) is read and dropped: the proxy must also close.
-    let read = async {
-        let mut buf = vec![0u8; 64 << 10];
-        loop {
-            match reader.read(&mut buf).await {
-                Ok(0) | Err(_) => return Err(()),
-                Ok(_) => {}
-            }
-        }
-    };
-    let outcome = tokio::time::timeout(Duration::from_secs(5), async {
-        tokio::join!(write, read).1
-    })
-    .await
-    .unwrap_or(Ok(()));
-    counters.bytes.fetch_add(sent.load(Relaxed), Relaxed);
-    outcome
+    super::send_whole_until_closed(socket, request, counters).await
 }
 
-/// Keyed `POST /big` requests (fresh keys, a 60 KiB answer each), 32
-/// pipelined a write, a write a second, and not one byte read.
+/// Keyed `POST /big` requests (one key per connection, a 60 KiB answer
+/// each), 32 pipelined a write, a write a second, and not one byte read.
 pub(super) async fn non_reading(
     socket: &mut TcpStream,
     counters: &AttackCounters,
