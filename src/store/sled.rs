@@ -938,6 +938,27 @@ mod tests {
         .unwrap()
     }
 
+    /// Opens `dir` again, waiting (at most 10 s) while an earlier store of
+    /// this process still holds its lock.
+    async fn reopen(dir: &Path) -> SledStore {
+        let config = SledConfig {
+            cache_capacity_bytes: 4 << 20,
+            ..SledConfig::new(dir)
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match SledStore::open(&config) {
+                Ok(store) => return store,
+                Err(Error::Unavailable(reason))
+                    if reason.contains("in use") && std::time::Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(error) => panic!("reopen: {error}"),
+            }
+        }
+    }
+
     fn claim_request(id: &str) -> ClaimRequest {
         ClaimRequest::plain(
             crate::api::Limits::default().key("reap", id).unwrap(),
@@ -1046,7 +1067,9 @@ mod tests {
                 .unwrap();
             store.close().await.unwrap();
         }
-        let store = store(dir.path());
+        // sled releases its directory lock when its own flusher thread has
+        // let go of the database, a moment after the last handle drops.
+        let store = reopen(dir.path()).await;
         let names = store.inner.db.tree_names();
         assert!(!names.iter().any(|name| &name[..] == b"expiry"));
         let old = crate::api::Limits::default().key("reap", "evt").unwrap();
