@@ -906,7 +906,7 @@ impl<S: Store> Proxy<S> {
                     Protocol::Grpc => Disposition::Keep,
                 };
                 let (result, stored) = self
-                    .settle_answer(&key, token, disposition, parts.status, || {
+                    .settle_answer(&key, token, disposition, parts.status, None, || {
                         self.stored_response(&parts, None, None)
                     })
                     .await;
@@ -921,12 +921,14 @@ impl<S: Store> Proxy<S> {
                 };
             }
         };
-        let disposition = match protocol {
-            Protocol::Http => http_disposition(parts.status),
-            Protocol::Grpc => grpc_disposition(grpc_status(&parts.headers, trailers.as_ref())),
+        let grpc_code =
+            (protocol == Protocol::Grpc).then(|| grpc_status(&parts.headers, trailers.as_ref()));
+        let disposition = match grpc_code {
+            None => http_disposition(parts.status),
+            Some(code) => grpc_disposition(code),
         };
         let (result, stored) = self
-            .settle_answer(&key, token, disposition, parts.status, || {
+            .settle_answer(&key, token, disposition, parts.status, grpc_code, || {
                 // A unary call answers one message; a streaming one was
                 // processed but is not kept.
                 let kept =
@@ -948,16 +950,18 @@ impl<S: Store> Proxy<S> {
         }
     }
 
-    /// Settles the key after the upstream answered, by `disposition`:
-    /// commits `kept()`, releases it, or records the outcome unknown (or,
-    /// with `--after-unknown-outcome retry`, releases it). The metrics
-    /// result, and whether the record could be stored.
+    /// Settles the key after the upstream answered (`status`; for gRPC,
+    /// `grpc_code` is `Some(grpc-status)`), by `disposition`: commits
+    /// `kept()`, releases it, or records the outcome unknown (or, with
+    /// `--after-unknown-outcome retry`, releases it). The metrics result,
+    /// and whether the record could be stored.
     async fn settle_answer(
         &self,
         key: &Key,
         token: LeaseToken,
         disposition: Disposition,
         status: StatusCode,
+        grpc_code: Option<Option<u32>>,
         kept: impl FnOnce() -> Stored,
     ) -> (&'static str, bool) {
         match (disposition, self.config.after_unknown_outcome) {
@@ -969,7 +973,14 @@ impl<S: Store> Proxy<S> {
                 ("released", true)
             }
             (Disposition::Unknown, AfterUnknownOutcome::Report) => {
-                let reason = format!("a gateway in front of the service answered {status}");
+                let reason = match grpc_code {
+                    None => format!("a gateway in front of the service answered {status}"),
+                    Some(None) => "the call ended without a grpc-status".to_owned(),
+                    Some(Some(code)) => format!(
+                        "the call was cut off ({}) while the service may have gone on",
+                        tonic::Code::from_i32(code as i32).description()
+                    ),
+                };
                 tracing::warn!(%reason, "outcome unknown; the key will not be forwarded again");
                 let stored = Stored::OutcomeUnknown { reason };
                 ("outcome_unknown", self.settle(key, token, &stored).await)
