@@ -640,12 +640,6 @@ async fn record_survives_a_kill_9(flags: &[&str]) {
     let upstream_url = format!("http://{}", upstream.address);
     let mut flags = flags.to_vec();
     flags.push(&upstream_url);
-    let proxy_address = |sidecar: &common::sidecar::Sidecar| -> SocketAddr {
-        sidecar.ready["http_proxy"]
-            .as_str()
-            .and_then(|address| address.parse().ok())
-            .unwrap_or_else(|| panic!("no proxy address in {}", sidecar.ready))
-    };
     let sidecar = common::sidecar::Sidecar::start_with(data.path(), &flags);
     let first = post(proxy_address(&sidecar), "/orders", "\"k9\"", "{}").await;
     assert_eq!(first.status, StatusCode::CREATED);
