@@ -223,6 +223,16 @@ pub struct ServeArgs {
     /// dedupd reports NOT_SERVING and exits (non-zero) for a restart.
     #[arg(long, env = "DEDUPD_STORE_STALL_TIMEOUT", default_value = "30s")]
     pub store_stall_timeout: humantime::Duration,
+    /// Embedded store with --sync always: longest time between checkpoints
+    /// (sled made durable, the write-ahead log before it deleted). A longer
+    /// interval means fewer sled flushes and a longer log to replay at start.
+    #[arg(long, env = "DEDUPD_CHECKPOINT_INTERVAL", default_value = "30s")]
+    pub checkpoint_interval: humantime::Duration,
+    /// Embedded store with --sync always: a checkpoint starts once this many
+    /// MiB of write-ahead log were written since the last one (bounds the
+    /// replay at start: about 1 s per 64 MiB).
+    #[arg(long, env = "DEDUPD_CHECKPOINT_LOG_MB", default_value_t = 32)]
+    pub checkpoint_log_mb: u64,
     /// Lease granted when a Claim does not give one.
     #[arg(long, env = "DEDUPD_DEFAULT_LEASE_TTL", default_value = "30s")]
     pub default_lease_ttl: humantime::Duration,
@@ -712,12 +722,25 @@ impl ServeArgs {
                             .into(),
                     );
                 }
+                let checkpoint_interval = check_duration_flag(
+                    "checkpoint-interval",
+                    self.checkpoint_interval.into(),
+                    Duration::from_secs(3600),
+                )?;
+                if checkpoint_interval < Duration::from_millis(100) {
+                    return Err("--checkpoint-interval must be at least 100ms".into());
+                }
+                if !(1..=4096).contains(&self.checkpoint_log_mb) {
+                    return Err("--checkpoint-log-mb must be between 1 and 4096".into());
+                }
                 Ok(StoreSettings::Sled(SledConfig {
                     path: self.data_dir.clone(),
                     sync: self.sync.into(),
                     cache_capacity_bytes: self.cache_mb << 20,
                     disk_reserve_bytes: self.disk_reserve_mb.saturating_mul(1 << 20),
                     stall_timeout,
+                    checkpoint_interval,
+                    checkpoint_log_bytes: self.checkpoint_log_mb << 20,
                 }))
             }
             StoreKind::Postgres | StoreKind::Redis => {

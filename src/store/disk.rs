@@ -5,7 +5,9 @@
 //! nothing, never ask; deletes may go on down to half the reserve, so the
 //! reaper can still make room. The figure is read with `statvfs`, at most
 //! every [`REFRESH`] while space is plentiful and on every write once it is
-//! within twice the reserve.
+//! within twice the reserve. With a write-ahead log, a Put also needs room
+//! for the log not yet checkpointed ([`DiskSpace::owe`]): a restart replays
+//! it into sled, which must not meet a full disk either.
 
 use std::{
     io,
@@ -37,6 +39,8 @@ pub(crate) struct DiskSpace {
     path: PathBuf,
     reserve: u64,
     free: AtomicU64,
+    /// Bytes of write-ahead log that a replay may still write into sled.
+    owed: AtomicU64,
     checked_at: Mutex<Option<Instant>>,
 }
 
@@ -47,8 +51,32 @@ impl DiskSpace {
             path,
             reserve,
             free: AtomicU64::new(u64::MAX),
+            owed: AtomicU64::new(0),
             checked_at: Mutex::new(None),
         }
+    }
+
+    /// `bytes` more of log a replay may have to write into sled.
+    pub(crate) fn owe(&self, bytes: u64) {
+        self.owed.fetch_add(bytes, Relaxed);
+    }
+
+    /// `bytes` of log a checkpoint made sled hold (and deleted).
+    pub(crate) fn settle(&self, bytes: u64) {
+        let _ = self
+            .owed
+            .fetch_update(Relaxed, Relaxed, |owed| Some(owed.saturating_sub(bytes)));
+    }
+
+    /// Whether free space (as last read) is within twice what a Put needs:
+    /// time to checkpoint early, so the log's space comes back.
+    pub(crate) fn tight(&self) -> bool {
+        self.reserve > 0
+            && self.free()
+                < self
+                    .reserve
+                    .saturating_add(self.owed.load(Relaxed))
+                    .saturating_mul(2)
     }
 
     /// Bytes free for unprivileged writers, as last read.
@@ -72,7 +100,13 @@ impl DiskSpace {
             .lock()
             .expect("disk space lock")
             .is_some_and(|at| at.elapsed() < REFRESH);
-        if fresh && cached > self.reserve.saturating_mul(2) {
+        if fresh
+            && cached
+                > self
+                    .reserve
+                    .saturating_add(self.owed.load(Relaxed))
+                    .saturating_mul(2)
+        {
             Ok(cached)
         } else {
             self.refresh()
@@ -85,8 +119,9 @@ impl DiskSpace {
         if self.reserve == 0 {
             return Ok(());
         }
+        let owed = self.owed.load(Relaxed);
         let needed = match kind {
-            WriteKind::Put => self.reserve,
+            WriteKind::Put => self.reserve.saturating_add(owed),
             WriteKind::Delete => self.reserve / 2,
         };
         let free = self.current()?;
@@ -95,11 +130,21 @@ impl DiskSpace {
         }
         Err(Error::DiskFull(io::Error::new(
             io::ErrorKind::StorageFull,
-            format!(
-                "{} free on the data directory's filesystem, below the --disk-reserve of {}",
-                human_bytes(free),
-                human_bytes(self.reserve)
-            ),
+            if owed > 0 && kind == WriteKind::Put {
+                format!(
+                    "{} free on the data directory's filesystem, below the --disk-reserve of {} \
+                     plus {} of write-ahead log not yet checkpointed",
+                    human_bytes(free),
+                    human_bytes(self.reserve),
+                    human_bytes(owed)
+                )
+            } else {
+                format!(
+                    "{} free on the data directory's filesystem, below the --disk-reserve of {}",
+                    human_bytes(free),
+                    human_bytes(self.reserve)
+                )
+            },
         )))
     }
 

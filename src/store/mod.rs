@@ -23,6 +23,7 @@ pub mod shared;
 pub mod sled;
 mod stall;
 pub mod tiered;
+mod wal;
 
 use std::{fmt, future::Future, time::Duration};
 

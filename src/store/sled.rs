@@ -16,15 +16,25 @@
 //! wins). An index would cost two more tree writes per change, all at its
 //! right edge. Expired records read as absent whether swept or not.
 //!
-//! Durability (`sync = always`): sled's `flush()` only `sync_file_range`s its
-//! log on Linux, which does not persist the file's metadata or survive power
-//! loss, so the committer calls `sync_data()` on sled's log file after each
-//! flush. All callers waiting while one sync runs share the next one (group
-//! commit); one thread does every flush because sled stalls when many tasks
-//! flush at once. sled writes a log entry larger than a quarter of a segment
-//! (128 KiB: a large cached response, or a node holding several) to a blob
-//! file of its own that it never syncs, so the committer also syncs every
-//! new file under `blobs/` before it acknowledges.
+//! Durability (`sync = always`) lives in dedupd's own write-ahead log
+//! ([`super::wal`]), not in sled: sled's `flush()` only `sync_file_range`s
+//! its log (no metadata, no power loss) and waiting for it costs a device
+//! round trip before our own sync. Every change is made in sled by
+//! compare-and-swap and framed into the log under one lock (so the log's
+//! order is the order of the swaps); the committer thread writes what was
+//! framed and `fdatasync`s the log once per group commit, and the answers
+//! of everyone waiting while one sync runs share the next one. sled writes
+//! in the background; a checkpoint thread, every `checkpoint_interval` or
+//! `checkpoint_log_bytes` of log, flushes sled and syncs its files (its log
+//! and the blob files it writes for large entries and never syncs), and
+//! only then deletes the log segments the checkpoint covers. Opening
+//! replays whatever segments are left into sled, then checkpoints.
+//!
+//! Fencing tokens come from a counter of our own whose reservation (a block
+//! ahead) is a change like any other: written to sled before any record
+//! holding a token from that block, and logged. A record sled persisted
+//! whose log frame was lost (never acknowledged) therefore never holds a
+//! token above what recovery resumes from.
 //!
 //! Reads wait too: an answer that reveals a write (a DUPLICATE reporting
 //! someone's commit) must not leave before that write is durable. Two
@@ -50,6 +60,8 @@ use super::{
     disk::{DiskSpace, WriteKind},
     optimistic::{self, with_token, Conditional, Swapped, Versioned},
     stall::{busy, watch_syncs, Busy, StallWatch, PROBE_AFTER},
+    wal::sync_directory,
+    wal::{self, Appender, Tree},
     IssueFencing, ReapReport, Store, StoreObserver, StoreStats,
 };
 use crate::{
@@ -74,8 +86,9 @@ impl From<sled::Error> for Error {
 /// When a change counts as stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SyncMode {
-    /// Every answer waits until its change is on disk (fdatasync), shared by
-    /// group commit. Survives `kill -9` and power loss.
+    /// Every answer waits until its change is in the write-ahead log on disk
+    /// (one fdatasync, shared by group commit). Survives `kill -9` and power
+    /// loss.
     Always,
     /// Answers do not wait; sled flushes every 500 ms. A crash of the machine
     /// can lose the last half second of commits (and fencing order across
@@ -98,11 +111,16 @@ pub struct SledConfig {
     /// A disk sync that takes longer than this means the store stopped
     /// answering: it fails for good (fail-stop) instead of hanging callers.
     pub stall_timeout: Duration,
+    /// Longest time between checkpoints while changes arrive.
+    pub checkpoint_interval: Duration,
+    /// A checkpoint starts once this much log was written since the last.
+    pub checkpoint_log_bytes: u64,
 }
 
 impl SledConfig {
     /// `path` with the defaults: `sync = always`, a 64 MiB cache, a 64 MiB
-    /// disk reserve and a 30 s stall timeout.
+    /// disk reserve, a 30 s stall timeout and a checkpoint every 30 s or
+    /// 32 MiB of log.
     pub fn new(path: impl Into<PathBuf>) -> SledConfig {
         SledConfig {
             path: path.into(),
@@ -110,12 +128,22 @@ impl SledConfig {
             cache_capacity_bytes: 64 << 20,
             disk_reserve_bytes: 64 << 20,
             stall_timeout: Duration::from_secs(30),
+            checkpoint_interval: Duration::from_secs(30),
+            checkpoint_log_bytes: 32 << 20,
         }
     }
 }
 
-/// Background flush interval when `sync = none`.
+/// sled's background flush interval (durability comes from the log, or,
+/// with `sync = none`, from this flush alone).
 const LAZY_FLUSH_MS: u64 = 500;
+
+/// The key of the fencing reservation in sled's default tree: every token
+/// issued is below it.
+const FENCE_KEY: &[u8] = b"meta/fence-reserved";
+
+/// How many fencing tokens one reservation covers.
+const FENCE_BLOCK: u64 = 1 << 20;
 
 /// Reads when an entry of a tree stops being live.
 type RetainUntilOf = fn(&[u8]) -> Result<UnixMillis, Error>;
@@ -137,14 +165,31 @@ struct Inner {
     marks: sled::Tree,
     /// Where the reaper's sweep of each tree goes on from (empty: the start).
     sweep_cursors: Mutex<[Vec<u8>; 2]>,
+    /// sled's log file, synced by checkpoints.
     log_file: Arc<File>,
+    path: PathBuf,
     sync: SyncMode,
+    /// Frames not yet handed to the committer (`sync = always` only); held
+    /// across each compare-and-swap so the log's order is sled's.
+    appender: Option<Arc<Mutex<Appender>>>,
+    fencing: Fencing,
     counters: Arc<WriteCounters>,
     failure: Arc<Failure>,
     committer: Mutex<Option<Committer>>,
     stats: Mutex<Option<(std::time::Instant, StoreStats)>>,
-    space: DiskSpace,
+    space: Arc<DiskSpace>,
     stall: Arc<StallWatch>,
+    /// The checkpoint thread's syncs (one sync at a time per watch).
+    checkpoint_stall: Arc<StallWatch>,
+}
+
+/// The fencing token source (see the module docs).
+#[derive(Debug)]
+struct Fencing {
+    next: AtomicU64,
+    /// Tokens below this are covered by a reservation written to sled.
+    reserved: AtomicU64,
+    reserving: Mutex<()>,
 }
 
 /// The store's permanent failure: set once, never cleared; callers waiting
@@ -223,6 +268,8 @@ const STATS_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(30);
 struct Committer {
     queue: Option<mpsc::Sender<Waiter>>,
     thread: Option<thread::JoinHandle<()>>,
+    /// Ends when the committer (which holds its queue) has.
+    checkpointer: Option<thread::JoinHandle<()>>,
     /// Dropped to end the sync watch.
     watch_stop: Option<mpsc::Sender<()>>,
     watch: Option<thread::JoinHandle<()>>,
@@ -230,8 +277,9 @@ struct Committer {
 }
 
 impl Committer {
-    /// Lets the committer answer what is queued and end, ends the sync
-    /// watch, and waits for both — both hold the database open, and a store
+    /// Lets the committer answer what is queued, sync the last frames and
+    /// end, lets a checkpoint under way finish, ends the sync watch, and
+    /// waits for all three — they hold the database open, and a store
     /// reopened in this process must find it closed. Not once the store has
     /// failed: either may then be stuck in sled for good.
     fn shut_down(&mut self) {
@@ -240,9 +288,13 @@ impl Committer {
         if self.failure.get().is_some() {
             return;
         }
-        for thread in [self.thread.take(), self.watch.take()]
-            .into_iter()
-            .flatten()
+        for thread in [
+            self.thread.take(),
+            self.checkpointer.take(),
+            self.watch.take(),
+        ]
+        .into_iter()
+        .flatten()
         {
             let _ = thread.join();
         }
@@ -257,22 +309,14 @@ impl Drop for Committer {
 
 type Waiter = oneshot::Sender<Result<(), SyncRefusal>>;
 
-/// Why a group commit did not make its callers' writes durable.
+/// Why a group commit did not make its callers' writes durable: a write or
+/// sync of the log failed, and the store stops for good.
 #[derive(Debug, Clone)]
-enum SyncRefusal {
-    /// A resource ran short before anything was synced (file descriptors):
-    /// nothing is known to be lost, the next group commit tries again.
-    Exhausted(String),
-    /// A sync failed: the store stops for good.
-    Failed(String),
-}
+struct SyncRefusal(String);
 
 impl From<SyncRefusal> for Error {
     fn from(refusal: SyncRefusal) -> Error {
-        match refusal {
-            SyncRefusal::Exhausted(reason) => Error::Exhausted(reason),
-            SyncRefusal::Failed(reason) => Error::Unavailable(reason),
-        }
+        Error::Unavailable(refusal.0)
     }
 }
 
@@ -325,10 +369,7 @@ impl SledStore {
             .path(&config.path)
             .cache_capacity(config.cache_capacity_bytes)
             .mode(sled::Mode::HighThroughput)
-            .flush_every_ms(match config.sync {
-                SyncMode::Always => None,
-                SyncMode::None => Some(LAZY_FLUSH_MS),
-            })
+            .flush_every_ms(Some(LAZY_FLUSH_MS))
             .open()
             .map_err(|error| match error {
                 // sled reports "another process has the database open" as a
@@ -342,53 +383,141 @@ impl SledStore {
                 other => other.into(),
             })?;
         let log_file = Arc::new(File::open(config.path.join("db"))?);
-        db.insert("meta/opened", &[1u8][..])?;
-        db.flush()?;
-        log_file.sync_data()?;
-        sync_directory(&config.path)?;
+        let records = db.open_tree("records")?;
+        let marks = db.open_tree("marks")?;
 
-        let counters = Arc::new(WriteCounters::default());
-        let failure = Arc::new(Failure::new());
-        let stall = Arc::new(StallWatch::new(config.stall_timeout));
-        let space = DiskSpace::new(config.path.clone(), config.disk_reserve_bytes);
-        space.refresh()?;
-        let committer = match config.sync {
-            SyncMode::Always => Some(spawn_committer(
-                db.clone(),
-                Arc::clone(&log_file),
-                BlobSyncer::new(config.path.join("blobs")),
-                Arc::clone(&counters),
-                Arc::clone(&failure),
-                Arc::clone(&stall),
-                observer,
-            )?),
-            SyncMode::None => None,
+        // Whatever the log holds since the last checkpoint goes back into
+        // sled, in the order it was made.
+        let wal_dir = config.path.join(wal::WAL_DIR);
+        let started = Instant::now();
+        let mut highest_token = 0;
+        let replayed = wal::replay(&wal_dir, |frame| {
+            let tree: &sled::Tree = match frame.tree {
+                Tree::Meta => &db,
+                Tree::Records => &records,
+                Tree::Marks => &marks,
+            };
+            // After a kill -9 sled holds nearly all of it already: a change
+            // it has is not written again (sled's log would grow by the whole
+            // replay, on a disk that may be at its reserve).
+            let current = tree.get(frame.key)?;
+            match frame.value {
+                Some(value) => {
+                    if frame.tree == Tree::Records {
+                        highest_token = highest_token.max(decode_record(value)?.fencing_token.0);
+                    }
+                    if current.as_deref() != Some(value) {
+                        tree.insert(frame.key, value)?;
+                    }
+                }
+                None => {
+                    if current.is_some() {
+                        tree.remove(frame.key)?;
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        if let Some((segment, offset, what)) = &replayed.torn {
+            tracing::warn!(
+                segment = %segment.display(), offset, what,
+                "the write-ahead log ends in a torn frame (a group commit the process died in, \
+                 answered to nobody): recovered up to it"
+            );
+        }
+        if replayed.frames > 0 {
+            tracing::info!(
+                frames = replayed.frames,
+                bytes = replayed.bytes,
+                elapsed_ms = started.elapsed().as_millis() as u64,
+                "replayed the write-ahead log"
+            );
+        }
+
+        // Tokens resume above every reservation and every logged token; a
+        // data directory from before the log has only sled's own counter.
+        let floor = match db.get(FENCE_KEY)? {
+            Some(reserved) => decode_u64(&reserved)?,
+            None => db.generate_id()? + 1,
         };
+        let next_token = floor.max(highest_token + 1);
+        db.insert(FENCE_KEY, &(next_token + FENCE_BLOCK).to_le_bytes()[..])?;
+        db.insert("meta/opened", &[1u8][..])?;
+
         // Stores written before the sweep kept an expiry index: drop it.
         if db.tree_names().iter().any(|name| &name[..] == b"expiry") {
             db.drop_tree("expiry")?;
         }
+        // The checkpoint that makes the replay (and the open write proving
+        // the disk writable) durable; only then may the log go.
+        let blobs = BlobSyncer::new(config.path.join("blobs"));
+        let blobs = bounded_checkpoint(&db, &log_file, blobs, &config.path, config.stall_timeout)?;
+        wal::remove_through(&wal_dir, replayed.last_segment)?;
+
+        let counters = Arc::new(WriteCounters::default());
+        let failure = Arc::new(Failure::new());
+        let stall = Arc::new(StallWatch::new(config.stall_timeout));
+        let checkpoint_stall = Arc::new(StallWatch::new(config.stall_timeout));
+        let space = Arc::new(DiskSpace::new(
+            config.path.clone(),
+            config.disk_reserve_bytes,
+        ));
+        space.refresh()?;
+        let (committer, appender) = match config.sync {
+            SyncMode::Always => {
+                let appender = Arc::new(Mutex::new(Appender::new(replayed.next_lsn)));
+                let writer = wal::Writer::create(&wal_dir, replayed.last_segment + 1)?;
+                let committer = spawn_committer(
+                    CommitterParts {
+                        db: db.clone(),
+                        log_file: Arc::clone(&log_file),
+                        blobs,
+                        path: config.path.clone(),
+                        writer,
+                        appender: Arc::clone(&appender),
+                        counters: Arc::clone(&counters),
+                        space: Arc::clone(&space),
+                        failure: Arc::clone(&failure),
+                        stall: Arc::clone(&stall),
+                        checkpoint_stall: Arc::clone(&checkpoint_stall),
+                        checkpoint_interval: config.checkpoint_interval,
+                        checkpoint_log_bytes: config.checkpoint_log_bytes,
+                    },
+                    observer,
+                )?;
+                (Some(committer), Some(appender))
+            }
+            SyncMode::None => (None, None),
+        };
         Ok(SledStore {
             inner: Arc::new(Inner {
-                records: db.open_tree("records")?,
-                marks: db.open_tree("marks")?,
+                records,
+                marks,
                 sweep_cursors: Mutex::new([Vec::new(), Vec::new()]),
                 db,
                 log_file,
+                path: config.path.clone(),
                 sync: config.sync,
+                appender,
+                fencing: Fencing {
+                    next: AtomicU64::new(next_token),
+                    reserved: AtomicU64::new(next_token + FENCE_BLOCK),
+                    reserving: Mutex::new(()),
+                },
                 counters,
                 failure,
                 committer: Mutex::new(committer),
                 stats: Mutex::new(None),
                 space,
                 stall,
+                checkpoint_stall,
             }),
         })
     }
 
-    /// Bytes sled uses on disk.
+    /// Bytes sled and the write-ahead log use on disk.
     pub fn size_on_disk(&self) -> Result<u64, Error> {
-        Ok(self.inner.db.size_on_disk()?)
+        Ok(self.inner.db.size_on_disk()? + self.inner.log_bytes())
     }
 
     /// Number of records stored, expired ones not yet reaped included.
@@ -397,15 +526,26 @@ impl SledStore {
     }
 
     fn issue_fencing(&self) -> Result<FencingToken, Error> {
-        // sled persists its ID generator ahead of use and skips past the
-        // persisted value on recovery, so IDs never repeat across restarts.
-        let id = self
-            .inner
-            .db
-            .generate_id()
-            .map_err(|error| self.inner.failure.write_failed(error))?;
-        Ok(FencingToken(id + 1))
+        let fencing = &self.inner.fencing;
+        let token = fencing.next.fetch_add(1, SeqCst);
+        if token >= fencing.reserved.load(SeqCst) {
+            let _one = fencing.reserving.lock().expect("fencing lock");
+            if token >= fencing.reserved.load(SeqCst) {
+                // Written (and logged) before any record holding `token`.
+                let reserved = token + FENCE_BLOCK;
+                self.inner
+                    .put(Tree::Meta, FENCE_KEY, &reserved.to_le_bytes())?;
+                fencing.reserved.store(reserved, SeqCst);
+            }
+        }
+        Ok(FencingToken(token))
     }
+}
+
+fn decode_u64(bytes: &[u8]) -> Result<u64, Error> {
+    Ok(u64::from_le_bytes(bytes.try_into().map_err(|_| {
+        Error::Corrupt(format!("a fencing reservation of {} bytes", bytes.len()))
+    })?))
 }
 
 impl Conditional for SledStore {
@@ -448,7 +588,7 @@ impl Conditional for SledStore {
         };
         let inner = &self.inner;
         let current = believed.map(|stored| &stored.version[..]);
-        match inner.swap(&inner.records, &key.to_bytes(), current, replacement)? {
+        match inner.swap(Tree::Records, &key.to_bytes(), current, replacement)? {
             // Nothing is remembered between calls here: reads are local.
             Ok(()) => Ok(Swapped::Done {
                 token,
@@ -469,12 +609,33 @@ impl Conditional for SledStore {
 }
 
 impl Inner {
+    fn tree(&self, tree: Tree) -> &sled::Tree {
+        match tree {
+            Tree::Meta => &self.db,
+            Tree::Records => &self.records,
+            Tree::Marks => &self.marks,
+        }
+    }
+
+    /// The log's lock, taken for the length of one change so the log's
+    /// order is sled's (`None` with `sync = none`): refused once closed.
+    fn lock_log(&self) -> Result<Option<std::sync::MutexGuard<'_, Appender>>, Error> {
+        let Some(appender) = &self.appender else {
+            return Ok(None);
+        };
+        let appender = appender.lock().expect("log lock poisoned");
+        if appender.closed() {
+            return Err(Error::Unavailable("the store is closed".into()));
+        }
+        Ok(Some(appender))
+    }
+
     /// Replaces `current` by `replacement` under `key` in `tree` with one
-    /// compare-and-swap; on a conflict, the value found instead (nothing
-    /// written).
+    /// compare-and-swap, logged; on a conflict, the value found instead
+    /// (nothing written).
     fn swap(
         &self,
-        tree: &sled::Tree,
+        tree: Tree,
         key: &[u8],
         current: Option<&[u8]>,
         replacement: Option<Vec<u8>>,
@@ -484,17 +645,52 @@ impl Inner {
         } else {
             WriteKind::Delete
         })?;
+        let replacement = replacement.map(IVec::from);
+        let mut log = self.lock_log()?;
+        // Dropped before the log's lock: the committer, holding that lock,
+        // finds every write finished.
         let write = WriteGuard::new(&self.counters);
-        let swapped = tree
-            .compare_and_swap(key, current, replacement)
+        let swapped = self
+            .tree(tree)
+            .compare_and_swap(key, current, replacement.clone())
             .map_err(|error| self.failure.write_failed(error))?;
         match swapped {
-            Ok(()) => Ok(Ok(())),
+            Ok(()) => {
+                if let Some(log) = &mut log {
+                    log.append(tree, key, replacement.as_deref());
+                }
+                drop(write);
+                Ok(Ok(()))
+            }
             Err(conflict) => {
                 write.cancel();
                 Ok(Err(conflict.current))
             }
         }
+    }
+
+    /// Sets `key` in `tree` whatever it held, logged.
+    fn put(&self, tree: Tree, key: &[u8], value: &[u8]) -> Result<(), Error> {
+        let mut log = self.lock_log()?;
+        let write = WriteGuard::new(&self.counters);
+        self.tree(tree)
+            .insert(key, value)
+            .map_err(|error| self.failure.write_failed(error))?;
+        if let Some(log) = &mut log {
+            log.append(tree, key, Some(value));
+        }
+        drop(write);
+        Ok(())
+    }
+
+    /// Bytes of the log's segments on disk (preallocated space included).
+    fn log_bytes(&self) -> u64 {
+        wal::segments(&self.path.join(wal::WAL_DIR))
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|(_, path)| std::fs::metadata(path).ok())
+            .map(|metadata| metadata.len())
+            .sum()
     }
 
     /// Sweeps on from where the last pass stopped, removing what expired by
@@ -504,11 +700,12 @@ impl Inner {
         let _busy = self.enter()?;
         let mut report = ReapReport::default();
         let limit = budget.saturating_mul(SWEEP_PER_REMOVAL);
-        let trees: [(&sled::Tree, RetainUntilOf); 2] = [
-            (&self.records, record_retain_until),
-            (&self.marks, |bytes| Ok(decode_mark(bytes)?.retain_until)),
+        let trees: [(Tree, RetainUntilOf); 2] = [
+            (Tree::Records, record_retain_until),
+            (Tree::Marks, |bytes| Ok(decode_mark(bytes)?.retain_until)),
         ];
-        for (index, (tree, retain_until_of)) in trees.into_iter().enumerate() {
+        for (index, (tag, retain_until_of)) in trees.into_iter().enumerate() {
+            let tree = self.tree(tag);
             let from = self.sweep_cursors.lock().expect("sweep lock")[index].clone();
             let range = if from.is_empty() {
                 tree.range::<&[u8], _>(..)
@@ -535,7 +732,7 @@ impl Inner {
                 };
                 // A swap, not a remove: a claim may have replaced the record
                 // since we read it, and then the new record must stay.
-                if expired && self.swap(tree, &key, Some(&value), None)?.is_ok() {
+                if expired && self.swap(tag, &key, Some(&value), None)?.is_ok() {
                     report.removed += 1;
                 }
                 stopped_at = Some(key);
@@ -560,9 +757,12 @@ impl Inner {
         self.failure.check().map(|()| busy())
     }
 
-    fn sync_now(&self) -> Result<(), Error> {
-        self.db.flush()?;
-        self.log_file.sync_data()?;
+    /// The last checkpoint, at close: everything logged is then in sled's
+    /// synced files, and the log goes (the next open replays nothing).
+    fn final_checkpoint(&self) -> Result<(), Error> {
+        let mut blobs = BlobSyncer::new(self.path.join("blobs"));
+        checkpoint(&self.db, &self.log_file, &mut blobs, &self.path)?;
+        wal::remove_through(&self.path.join(wal::WAL_DIR), u64::MAX)?;
         Ok(())
     }
 }
@@ -609,7 +809,7 @@ impl Store for SledStore {
                 return Ok(());
             };
             let replacement = Some(encode_mark(replacement).to_vec());
-            match inner.swap(&inner.marks, &key, current_bytes.as_deref(), replacement)? {
+            match inner.swap(Tree::Marks, &key, current_bytes.as_deref(), replacement)? {
                 Ok(()) => return Ok(()),
                 Err(found) => current_bytes = found,
             }
@@ -671,7 +871,11 @@ impl Store for SledStore {
 
     fn health(&self) -> Result<(), Error> {
         let inner = &self.inner;
-        if let Some(stall) = inner.stall.stalled() {
+        if let Some(stall) = inner
+            .stall
+            .stalled()
+            .or_else(|| inner.checkpoint_stall.stalled())
+        {
             inner.failure.fail(stall.reason());
         }
         inner.failure.check()
@@ -695,7 +899,11 @@ impl Store for SledStore {
         let inner = Arc::clone(&self.inner);
         let stats = tokio::task::spawn_blocking(move || StoreStats {
             records: Some(inner.records.len() as u64),
-            disk_bytes: inner.db.size_on_disk().ok(),
+            disk_bytes: inner
+                .db
+                .size_on_disk()
+                .ok()
+                .map(|sled| sled + inner.log_bytes()),
         })
         .await
         .unwrap_or_default();
@@ -712,13 +920,16 @@ impl Store for SledStore {
         self.inner.failure.check()?;
         let inner = Arc::clone(&self.inner);
         tokio::task::spawn_blocking(move || {
+            if let Some(appender) = &inner.appender {
+                appender.lock().expect("log lock poisoned").close();
+            }
             if let Some(mut committer) = committer {
                 committer.shut_down();
             }
             inner.failure.check()?;
             // The sync watch has ended: health (the watchdog) sees this one.
             inner.stall.sync_starting();
-            let synced = inner.sync_now();
+            let synced = inner.final_checkpoint();
             inner.stall.sync_done();
             synced
         })
@@ -727,16 +938,56 @@ impl Store for SledStore {
     }
 }
 
-fn spawn_committer(
+/// What the committer and checkpoint threads work with.
+struct CommitterParts {
     db: sled::Db,
     log_file: Arc<File>,
-    mut blobs: BlobSyncer,
+    blobs: BlobSyncer,
+    path: PathBuf,
+    writer: wal::Writer,
+    appender: Arc<Mutex<Appender>>,
     counters: Arc<WriteCounters>,
+    space: Arc<DiskSpace>,
     failure: Arc<Failure>,
     stall: Arc<StallWatch>,
+    checkpoint_stall: Arc<StallWatch>,
+    checkpoint_interval: Duration,
+    checkpoint_log_bytes: u64,
+}
+
+fn spawn_committer(
+    parts: CommitterParts,
     observer: Option<Arc<dyn StoreObserver>>,
 ) -> Result<Committer, Error> {
+    let CommitterParts {
+        db,
+        log_file,
+        blobs,
+        path,
+        mut writer,
+        appender,
+        counters,
+        space,
+        failure,
+        stall,
+        checkpoint_stall,
+        checkpoint_interval,
+        checkpoint_log_bytes,
+    } = parts;
     let (queue, waiters) = mpsc::channel::<Waiter>();
+    let (seals, sealed) = mpsc::channel::<(u64, u64)>();
+    let checkpointing = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let checkpointer = spawn_checkpointer(
+        db.clone(),
+        log_file,
+        blobs,
+        path.clone(),
+        sealed,
+        Arc::clone(&checkpointing),
+        Arc::clone(&space),
+        Arc::clone(&failure),
+        checkpoint_stall,
+    )?;
     let (db_for_watch, stall_for_watch, failure_for_watch, failure_for_shutdown) = (
         db.clone(),
         Arc::clone(&stall),
@@ -747,57 +998,132 @@ fn spawn_committer(
         .name("dedupd-committer".into())
         .spawn(move || {
             let mut batch = Vec::new();
+            let mut frames = Vec::new();
             let mut gather = Gather::default();
-            while let Ok(first) = waiters.recv() {
-                batch.push(first);
-                batch.extend(waiters.try_iter());
-                gather.more(&mut batch, &waiters);
+            let mut last_seal = Instant::now();
+            loop {
+                // Not less than a moment: a checkpoint due while the last
+                // one still runs must not turn this loop into a spin.
+                let until_checkpoint = checkpoint_interval
+                    .saturating_sub(last_seal.elapsed())
+                    .max(CHECKPOINT_POLL);
+                let ending = match waiters.recv_timeout(until_checkpoint) {
+                    Ok(first) => {
+                        batch.push(first);
+                        batch.extend(waiters.try_iter());
+                        gather.more(&mut batch, &waiters);
+                        false
+                    }
+                    // Time for a checkpoint: whatever was logged without a
+                    // waiter (the reaper's removals) is synced first.
+                    Err(mpsc::RecvTimeoutError::Timeout) => false,
+                    // Shutting down: the last frames are synced before the
+                    // final checkpoint.
+                    Err(mpsc::RecvTimeoutError::Disconnected) => true,
+                };
                 let outcome = match failure.get() {
-                    Some(reason) => Err(SyncRefusal::Failed(reason.clone())),
-                    None => {
-                        let finished = counters.finished.load(SeqCst);
-                        let started = std::time::Instant::now();
+                    Some(reason) => Err(SyncRefusal(reason.clone())),
+                    None => 'group: {
+                        let finished = {
+                            let mut appender = appender.lock().expect("log lock poisoned");
+                            appender.take(&mut frames);
+                            // Under the lock no write is between its swap
+                            // and its frame: every write counted is framed.
+                            counters.finished.load(SeqCst)
+                        };
+                        if frames.is_empty() && batch.is_empty() {
+                            break 'group Ok(());
+                        }
+                        let started = Instant::now();
                         stall.sync_starting();
-                        let flushed = db.flush().map_err(Error::from);
-                        let flush_time = started.elapsed();
-                        let synced = flushed
-                            .and_then(|_| log_file.sync_data().map_err(Error::from))
-                            .and_then(|()| blobs.sync_new());
+                        space.owe(frames.len() as u64);
+                        // Close to the reserve, sled is written through as
+                        // it was before the log: its background writes
+                        // could otherwise overrun the reserve the admission
+                        // check measured, and sled 0.34 never recovers
+                        // from a write that met a full disk.
+                        let written_through = if space.tight() {
+                            db.flush()
+                                .map(drop)
+                                .map_err(|error| format!("sled flush failed ({error})"))
+                        } else {
+                            Ok(())
+                        };
+                        let synced = written_through
+                            .and_then(|()| {
+                                writer
+                                    .write(&frames)
+                                    .map_err(|error| format!("log write failed ({error})"))
+                            })
+                            .and_then(|()| {
+                                writer
+                                    .sync()
+                                    .map_err(|error| format!("disk sync failed ({error})"))
+                            });
                         stall.sync_done();
                         let elapsed = started.elapsed();
-                        tracing::trace!(
-                            group = batch.len(),
-                            flush_us = flush_time.as_micros() as u64,
-                            sync_us = (elapsed - flush_time).as_micros() as u64,
-                            "group commit"
-                        );
-                        gather.synced(batch.len(), elapsed);
-                        if let Some(observer) = &observer {
-                            observer.group_commit(batch.len(), elapsed);
+                        if !batch.is_empty() {
+                            tracing::trace!(
+                                group = batch.len(),
+                                bytes = frames.len(),
+                                sync_us = elapsed.as_micros() as u64,
+                                "group commit"
+                            );
+                            gather.synced(batch.len(), elapsed);
+                            if let Some(observer) = &observer {
+                                observer.group_commit(batch.len(), elapsed);
+                            }
+                        }
+                        if frames.capacity() > SPARE_FRAMES_BYTES {
+                            frames = Vec::new();
                         }
                         match synced {
                             Ok(()) => {
                                 counters.durable.fetch_max(finished, SeqCst);
                                 Ok(())
                             }
-                            // Listing or opening a file failed, no sync did:
-                            // an overload that passes, not a broken disk.
-                            Err(Error::Exhausted(reason)) => {
-                                tracing::warn!(%reason, "group commit postponed");
-                                Err(SyncRefusal::Exhausted(reason))
-                            }
-                            Err(error) => {
+                            Err(failed) => {
                                 // After a failed fsync the kernel may have
                                 // dropped the dirty pages: retrying could
-                                // report success for lost data. Fail for good.
-                                let reason = format!("disk sync failed ({error}); restart dedupd");
-                                Err(SyncRefusal::Failed(failure.fail(reason)))
+                                // report success for lost data. Fail for
+                                // good; frames not written are lost with
+                                // the process, answered to nobody.
+                                let reason = format!("{failed}; restart dedupd");
+                                Err(SyncRefusal(failure.fail(reason)))
                             }
                         }
                     }
                 };
+                let synced = outcome.is_ok();
                 for waiter in batch.drain(..) {
                     let _ = waiter.send(outcome.clone());
+                }
+                if ending || !synced {
+                    return;
+                }
+                let due = writer.since_seal >= checkpoint_log_bytes
+                    || (writer.since_seal > 0 && last_seal.elapsed() >= checkpoint_interval)
+                    || (writer.since_seal >= TIGHT_CHECKPOINT_BYTES && space.tight());
+                if due && !checkpointing.load(SeqCst) {
+                    let bytes = writer.since_seal;
+                    match writer.seal() {
+                        Ok(through) => {
+                            checkpointing.store(true, SeqCst);
+                            last_seal = Instant::now();
+                            let _ = seals.send((through, bytes));
+                        }
+                        Err(error @ (Error::Exhausted(_) | Error::DiskFull(_))) => {
+                            tracing::warn!(%error, "checkpoint postponed: no new log segment");
+                        }
+                        Err(error) => {
+                            failure.fail(format!(
+                                "starting a log segment failed ({error}); restart dedupd"
+                            ));
+                            return;
+                        }
+                    }
+                } else if writer.since_seal == 0 {
+                    last_seal = Instant::now();
                 }
             }
         })?;
@@ -821,10 +1147,119 @@ fn spawn_committer(
     Ok(Committer {
         queue: Some(queue),
         thread: Some(thread),
+        checkpointer: Some(checkpointer),
         watch_stop: Some(watch_stop),
         watch: Some(watch),
         failure: failure_for_shutdown,
     })
+}
+
+/// On a disk close to its reserve, a checkpoint starts once this much log
+/// was written, to give the log's space back.
+const TIGHT_CHECKPOINT_BYTES: u64 = 1 << 20;
+
+/// How often the committer looks whether a checkpoint is due while idle.
+const CHECKPOINT_POLL: Duration = Duration::from_millis(100);
+
+/// A frames buffer grown past this (a large cached response) is not kept.
+const SPARE_FRAMES_BYTES: usize = 4 << 20;
+
+/// Runs each checkpoint the committer asks for: sled made durable, then the
+/// sealed segments deleted (see the module docs).
+#[allow(clippy::too_many_arguments)]
+fn spawn_checkpointer(
+    db: sled::Db,
+    log_file: Arc<File>,
+    mut blobs: BlobSyncer,
+    path: PathBuf,
+    sealed: mpsc::Receiver<(u64, u64)>,
+    checkpointing: Arc<std::sync::atomic::AtomicBool>,
+    space: Arc<DiskSpace>,
+    failure: Arc<Failure>,
+    stall: Arc<StallWatch>,
+) -> Result<thread::JoinHandle<()>, Error> {
+    let wal_dir = path.join(wal::WAL_DIR);
+    Ok(thread::Builder::new()
+        .name("dedupd-checkpoint".into())
+        .spawn(move || {
+            // Bytes sealed whose checkpoint was postponed.
+            let mut unsettled = 0;
+            while let Ok((through, bytes)) = sealed.recv() {
+                unsettled += bytes;
+                if failure.get().is_some() {
+                    return;
+                }
+                let started = Instant::now();
+                stall.sync_starting();
+                let done = checkpoint(&db, &log_file, &mut blobs, &path)
+                    .and_then(|()| wal::remove_through(&wal_dir, through));
+                stall.sync_done();
+                match done {
+                    Ok(removed) => {
+                        space.settle(std::mem::take(&mut unsettled));
+                        tracing::debug!(
+                            segments = removed,
+                            elapsed_ms = started.elapsed().as_millis() as u64,
+                            "checkpoint"
+                        );
+                    }
+                    // Listing or opening a file failed, no sync did: the
+                    // segments stay, and the next checkpoint covers them.
+                    Err(Error::Exhausted(reason)) => {
+                        tracing::warn!(%reason, "checkpoint postponed");
+                    }
+                    Err(error) => {
+                        failure.fail(format!("checkpoint failed ({error}); restart dedupd"));
+                        return;
+                    }
+                }
+                checkpointing.store(false, SeqCst);
+            }
+        })?)
+}
+
+/// [`checkpoint`] at open, given at most `limit`: sled 0.34 never returns
+/// from a flush that met a full disk, and a process that hangs before it
+/// serves tells nobody why.
+fn bounded_checkpoint(
+    db: &sled::Db,
+    log_file: &Arc<File>,
+    mut blobs: BlobSyncer,
+    path: &Path,
+    limit: Duration,
+) -> Result<BlobSyncer, Error> {
+    let (done, finished) = mpsc::channel();
+    let (db, log_file, path_owned) = (db.clone(), Arc::clone(log_file), path.to_path_buf());
+    thread::Builder::new()
+        .name("dedupd-open-checkpoint".into())
+        .spawn(move || {
+            let result = checkpoint(&db, &log_file, &mut blobs, &path_owned);
+            let _ = done.send(result.map(|()| blobs));
+        })?;
+    match finished.recv_timeout(limit) {
+        Ok(result) => result,
+        Err(_) => Err(Error::Unavailable(format!(
+            "making {} durable at open did not finish within the stall timeout ({}): \
+             is the disk full or failing?",
+            path.display(),
+            humantime::format_duration(limit)
+        ))),
+    }
+}
+
+/// Makes everything sled holds durable: its flush (which only
+/// `sync_file_range`s), then `fdatasync` of its log, of every blob file it
+/// wrote, and of the directory.
+fn checkpoint(
+    db: &sled::Db,
+    log_file: &File,
+    blobs: &mut BlobSyncer,
+    path: &Path,
+) -> Result<(), Error> {
+    db.flush()?;
+    log_file.sync_data()?;
+    blobs.sync_new()?;
+    sync_directory(path)
 }
 
 /// The key the sync watch's probe writes (never read).
@@ -912,11 +1347,6 @@ impl BlobSyncer {
         self.synced = present;
         Ok(())
     }
-}
-
-fn sync_directory(path: &Path) -> Result<(), Error> {
-    File::open(path)?.sync_all()?;
-    Ok(())
 }
 
 #[cfg(test)]
