@@ -473,9 +473,10 @@ mod tests {
         buffer
     }
 
-    fn collect(
-        directory: &Path,
-    ) -> Result<(Vec<(u64, Vec<u8>, Option<Vec<u8>>)>, Replayed), Error> {
+    /// A frame read back: LSN, key, value.
+    type Owned = (u64, Vec<u8>, Option<Vec<u8>>);
+
+    fn collect(directory: &Path) -> Result<(Vec<Owned>, Replayed), Error> {
         let mut seen = Vec::new();
         let replayed = replay(directory, |frame| {
             seen.push((
