@@ -124,8 +124,26 @@ load_started=$(date +%s.%N)
   --concurrency 4 --requests "$records" --worker-threads 1 --json > "$work/load.json"
 load_seconds=$(python3 -c "print($(date +%s.%N) - $load_started)")
 peak_rss_kb=$(awk '/VmHWM/ {print $2}' /proc/$big_pid/status)
-kill -TERM $big_pid; wait $big_pid 2>/dev/null || true
-disk_bytes=$(du -sb "$work/big" | cut -f1)
+# kill -9, not SIGTERM: the restart below replays the write-ahead log left
+# since the last checkpoint, as after a crash.
+kill -KILL $big_pid; wait $big_pid 2>/dev/null || true
+# Bytes of frames in the log (segments are preallocated: their size says little).
+log_bytes=$(python3 - "$work/big/wal" <<'PY'
+import os, struct, sys
+total = 0
+d = sys.argv[1]
+for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+    data = open(os.path.join(d, name), "rb").read()
+    at = 0
+    while at + 8 <= len(data):
+        (length,) = struct.unpack_from("<I", data, at)
+        if length == 0 or at + 8 + length > len(data):
+            break
+        at += 8 + length
+    total += at
+print(total)
+PY
+)
 restart_started=$(date +%s.%N)
 "$bin" --listen 127.0.0.1:51002 --metrics-listen off --data-dir "$work/big" --sync always --worker-threads 1 --log warn 2>>"$work/big.log" &
 big_pid=$!; pids+=($big_pid)
@@ -135,12 +153,14 @@ startup_seconds=$(python3 -c "print($(date +%s.%N) - $restart_started)")
 "$bench" load --target dedupd://127.0.0.1:51002 --workload claim --concurrency 16 --duration 2s \
   --worker-threads 1 --json > /dev/null
 rss_after_restart_kb=$(awk '/VmRSS/ {print $2}' /proc/$big_pid/status)
+kill -TERM $big_pid; wait $big_pid 2>/dev/null || true
+disk_bytes=$(du -sb "$work/big" | cut -f1)
 
 fsync_line=$(dd if=/dev/zero of="$work/dsync.test" bs=4k count=500 oflag=dsync 2>&1 | tail -1)
 python3 benches/report.py "$results" "$out" <<JSON
 {"records": $records, "load_seconds": $load_seconds, "peak_rss_kb": $peak_rss_kb,
  "disk_bytes": $disk_bytes, "startup_seconds": $startup_seconds,
- "rss_after_restart_kb": $rss_after_restart_kb, "load": $(cat "$work/load.json"),
+ "rss_after_restart_kb": $rss_after_restart_kb, "log_bytes": $log_bytes, "load": $(cat "$work/load.json"),
  "duration": "$duration", "repeats": $repeats, "dsync": "$fsync_line"}
 JSON
 echo "wrote $out"

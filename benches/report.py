@@ -160,7 +160,8 @@ out(f"| peak RSS of the sidecar while loading | {extra['peak_rss_kb'] / 1024:.1f
 out(f"| RSS after restart and 2 s of claims | {extra['rss_after_restart_kb'] / 1024:.1f} MiB |")
 out(f"| disk use after a clean stop | {extra['disk_bytes'] / 1024 / 1024:.1f} MiB |")
 out(f"| disk bytes per live record | {extra['disk_bytes'] / records:,.0f} |")
-out(f"| start-up time (exec to first answered Lookup) | {extra['startup_seconds'] * 1000:,.0f} ms |")
+out(f"| write-ahead log left at the `kill -9` (replayed at start) | {extra.get('log_bytes', 0) / 1024 / 1024:.1f} MiB |")
+out(f"| start-up time after `kill -9` (exec to first answered Lookup, log replay included) | {extra['startup_seconds'] * 1000:,.0f} ms |")
 out("")
 
 out("## Targets of issue 12")
@@ -193,6 +194,22 @@ out(f"| p99 Claim ≤ 2 ms at c=16 | {(p99_c16 or 0) / 1000:.2f} ms | {verdict(p
 out(f"| peak RSS ≤ 128 MiB with {records:,} live records | {rss_max:.1f} MiB | {verdict(rss_max <= 128)} |")
 out(f"| ≤ 300 disk bytes per live record | {per_record:,.0f} | {verdict(per_record <= 300)} |")
 out(f"| start-up ≤ 1 s with {records:,} records | {startup_ms:,.0f} ms | {verdict(startup_ms <= 1000)} |")
+out("")
+
+out("## Targets of issue 26 (the write-ahead log)")
+out("")
+claim1_p50 = median("claim", 1, ALWAYS, "latency_us.p50")
+redis1_p50 = median("claim", 1, "Redis appendfsync=always", "latency_us.p50")
+p50_ratio = ratio((claim1_p50, redis1_p50))
+pairs64_noop = ratio((median("claim-commit", 64, ALWAYS), median("claim-commit", 64, NOOP)))
+out("| target | measured | verdict |")
+out("|---|---:|---|")
+out(f"| Claim c=1 p50 ≤ 1.3 × Redis appendfsync=always | {claim1_p50 or 0:,.0f} µs vs {redis1_p50 or 0:,.0f} µs = {p50_ratio:.2f}× | {verdict(p50_ratio and p50_ratio <= 1.3)} |")
+out(f"| durable Claim at c=64 ≥ 0.55 × no-op | {claim64:.2f}× | {verdict(claim64 >= 0.55)} |")
+out(f"| Claim+Commit at c=64 ≥ 0.55 × no-op pairs | {pairs64_noop:.2f}× | {verdict(pairs64_noop >= 0.55)} |")
+out(f"| ClaimBatch of 500 at c=4 ≥ 0.9 × Redis pipeline, appendfsync=always | {batch4_redis:.2f}× | {verdict(batch4_redis >= 0.9)} |")
+out(f"| peak RSS with {records:,} live records (reported; must not grow) | {rss_max:.1f} MiB | reported |")
+out(f"| start-up ≤ 1 s with {records:,} records and the log left by a `kill -9` | {startup_ms:,.0f} ms | {verdict(startup_ms <= 1000)} |")
 out("")
 
 generated = "\n".join(lines) + "\n"

@@ -10,7 +10,8 @@
 //! - [`domain`]: keys, tokens, records, validated requests and outcomes.
 //! - [`machine`]: the protocol's state machine, pure functions only.
 //! - [`store`]: the storage contract and its backends ([`store::sled`],
-//!   embedded; [`store::postgres`] and [`store::redis`], shared by every
+//!   embedded, made durable by its own write-ahead log (`store/wal.rs`);
+//!   [`store::postgres`] and [`store::redis`], shared by every
 //!   sidecar, with what they share in [`store::shared`];
 //!   [`store::tiered`], a sidecar's local tier in front of a shared store;
 //!   [`store::memory`], the reference model).

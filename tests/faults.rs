@@ -713,7 +713,13 @@ async fn a_disk_filled_under_load_loses_no_acknowledged_commit() {
 /// could not tell. A restart on the healed disk finds every acknowledged
 /// commit.
 async fn a_failing_disk_stops_the_store(fault: Fault, says: &str) {
-    let disk = FaultyDisk::new().pause_at_trip(TRIP_PAUSE);
+    a_failing_disk_stops_the_store_on(FaultyDisk::new(), fault, says).await;
+}
+
+/// [`a_failing_disk_stops_the_store`] on `disk` (whose faults may act on
+/// some files only).
+async fn a_failing_disk_stops_the_store_on(disk: FaultyDisk, fault: Fault, says: &str) {
+    let disk = disk.pause_at_trip(TRIP_PAUSE);
     let mut sidecar = disk.start(&["--shutdown-grace", "1s", "--store-stall-timeout", "2s"]);
     let load = Load::start(sidecar.addr, "load", Some(disk.markers(fault))).await;
     load.until("acknowledged 100 commits", |load| {
@@ -766,6 +772,19 @@ async fn a_failing_disk_stops_the_store(fault: Fault, says: &str) {
         acknowledged.len(),
         refusals.len()
     );
+}
+
+/// Issue 26: fdatasync fails on the write-ahead log alone (sled's files sync
+/// fine): the group commit's callers are refused, the store stops for good,
+/// and nothing acknowledged is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_log_sync_stops_the_store_and_loses_nothing_acknowledged() {
+    a_failing_disk_stops_the_store_on(
+        FaultyDisk::new().only("/wal/"),
+        Fault::FailDataSync,
+        "disk sync failed",
+    )
+    .await;
 }
 
 /// Issue 16: fsync fails (EIO, as a disk that lost writes reports it). The

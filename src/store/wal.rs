@@ -42,6 +42,9 @@ pub(super) const WAL_DIR: &str = "wal";
 /// of its own size).
 pub(super) const SEGMENT_BYTES: u64 = 16 << 20;
 
+/// A segment is preallocated only while this many times its size is free.
+const PREALLOCATE_ROOM_FACTOR: u64 = 4;
+
 const HEADER_BYTES: usize = 8;
 const FIXED_PAYLOAD_BYTES: usize = 8 + 1 + 1 + 4;
 
@@ -407,14 +410,28 @@ fn new_segment(directory: &Path, sequence: u64, size: u64) -> Result<(File, u64)
         .create(true)
         .truncate(true)
         .open(&path)?;
-    let capacity = match rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, size)
-    {
+    // Only with room to spare: a filesystem may take the space page by page
+    // before it refuses (tmpfs does), and sled must never see a full disk,
+    // not even for a moment.
+    let room = rustix::fs::statvfs(directory)
+        .map(|stat| stat.f_bavail.saturating_mul(stat.f_frsize))
+        .unwrap_or(0);
+    let preallocated = if room >= size.saturating_mul(PREALLOCATE_ROOM_FACTOR) {
+        rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, size)
+            .map_err(io::Error::from)
+    } else {
+        Err(io::Error::new(
+            io::ErrorKind::StorageFull,
+            "less free space than preallocating should leave",
+        ))
+    };
+    let capacity = match preallocated {
         Ok(()) => {
             file.sync_all()?;
             size
         }
         Err(error) => {
-            tracing::warn!(%error, segment = %path.display(), "could not preallocate a log segment");
+            tracing::warn!(%error, segment = %path.display(), "log segment not preallocated");
             u64::MAX
         }
     };

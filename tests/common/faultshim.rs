@@ -46,6 +46,8 @@ pub enum Fault {
     HangWrite,
     /// Each sync first sleeps 300 ms.
     SlowSync,
+    /// unlink blocks until the fault is switched off.
+    HangUnlink,
 }
 
 impl Fault {
@@ -57,6 +59,7 @@ impl Fault {
             Fault::HangSync => "fault-hang-sync",
             Fault::HangWrite => "fault-hang-write",
             Fault::SlowSync => "fault-slow-sync",
+            Fault::HangUnlink => "fault-hang-unlink",
         }
     }
 }
@@ -66,6 +69,7 @@ impl Fault {
 pub struct FaultyDisk {
     dir: tempfile::TempDir,
     trip_pause: Option<Duration>,
+    only: Option<String>,
 }
 
 impl FaultyDisk {
@@ -73,7 +77,15 @@ impl FaultyDisk {
         FaultyDisk {
             dir: tempfile::tempdir().unwrap(),
             trip_pause: None,
+            only: None,
         }
+    }
+
+    /// Faults act only on files whose path contains `part` (`"/wal/"`: the
+    /// write-ahead log alone).
+    pub fn only(mut self, part: &str) -> FaultyDisk {
+        self.only = Some(part.to_owned());
+        self
     }
 
     /// The first call a fault acts on pauses this long once the marker is
@@ -101,8 +113,9 @@ impl FaultyDisk {
             "DEDUPD_FAULT_TRIP_PAUSE_MS={}",
             self.trip_pause.unwrap_or_default().as_millis()
         );
+        let only = format!("DEDUPD_FAULT_MATCH={}", self.only.as_deref().unwrap_or(""));
         Sidecar::start_under(
-            &["env", &preload, &fault_path, &sync_log, &pause],
+            &["env", &preload, &fault_path, &sync_log, &pause, &only],
             &self.data(),
             flags,
         )
