@@ -391,6 +391,13 @@ impl SledStore {
         let wal_dir = config.path.join(wal::WAL_DIR);
         let started = Instant::now();
         let mut highest_token = 0;
+        // Read before the replay: sled may hold a newer reservation than the
+        // log's last one (its frame lost, never answered), and a token from
+        // it may be in a record sled kept; the replay must not lower it.
+        let reserved_before_replay = db
+            .get(FENCE_KEY)?
+            .map(|bytes| decode_u64(&bytes))
+            .transpose()?;
         let replayed = wal::replay(&wal_dir, |frame| {
             let tree: &sled::Tree = match frame.tree {
                 Tree::Meta => &db,
@@ -436,9 +443,14 @@ impl SledStore {
 
         // Tokens resume above every reservation and every logged token; a
         // data directory from before the log has only sled's own counter.
-        let floor = match db.get(FENCE_KEY)? {
-            Some(reserved) => decode_u64(&reserved)?,
-            None => db.generate_id()? + 1,
+        let floor = match (reserved_before_replay, db.get(FENCE_KEY)?) {
+            (None, None) => db.generate_id()? + 1,
+            (before, after) => before.unwrap_or(0).max(
+                after
+                    .map(|bytes| decode_u64(&bytes))
+                    .transpose()?
+                    .unwrap_or(0),
+            ),
         };
         let next_token = floor.max(highest_token + 1);
         db.insert(FENCE_KEY, &(next_token + FENCE_BLOCK).to_le_bytes()[..])?;
@@ -1106,7 +1118,11 @@ fn spawn_committer(
                     || (writer.since_seal >= TIGHT_CHECKPOINT_BYTES && space.tight());
                 if due && !checkpointing.load(SeqCst) {
                     let bytes = writer.since_seal;
-                    match writer.seal() {
+                    // A new segment means syncs of its own: watched too.
+                    stall.sync_starting();
+                    let sealed = writer.seal();
+                    stall.sync_done();
+                    match sealed {
                         Ok(through) => {
                             checkpointing.store(true, SeqCst);
                             last_seal = Instant::now();

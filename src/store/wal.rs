@@ -402,6 +402,16 @@ impl Writer {
 /// written, which costs each sync a metadata update but loses nothing.
 fn new_segment(directory: &Path, sequence: u64, size: u64) -> Result<(File, u64), Error> {
     let path = segment_path(directory, sequence);
+    let created = create_segment(directory, &path, size);
+    if created.is_err() {
+        // A segment left behind would make the current one not the last,
+        // and a torn tail there would then read as damage.
+        let _ = std::fs::remove_file(&path);
+    }
+    created
+}
+
+fn create_segment(directory: &Path, path: &Path, size: u64) -> Result<(File, u64), Error> {
     // Truncated, not refused, if it exists: a segment of a sequence above
     // every one replayed is what an earlier failed start of it left.
     let file = OpenOptions::new()
@@ -409,7 +419,7 @@ fn new_segment(directory: &Path, sequence: u64, size: u64) -> Result<(File, u64)
         .write(true)
         .create(true)
         .truncate(true)
-        .open(&path)?;
+        .open(path)?;
     // Only with room to spare: a filesystem may take the space page by page
     // before it refuses (tmpfs does), and sled must never see a full disk,
     // not even for a moment.
