@@ -14,9 +14,23 @@ const BINARY = process.env.DEDUPD_BIN || path.resolve(__dirname, '..', '..', '..
 const TOKEN = 'a-bearer-token-of-32-characters!';
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
+// Sidecars started in each temp directory. `t.after` hooks run in the order
+// they were registered, and the directory is registered before its sidecar:
+// the directory's hook stops the sidecars first, so a sidecar never loses its
+// data directory (and its write-ahead log) while it is still running.
+const sidecarsIn = new Map();
+
 function tempDir(t) {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'dedupd-node-'));
-  t.after(() => fs.rmSync(dir, { recursive: true, force: true }));
+  sidecarsIn.set(dir, []);
+  t.after(async () => {
+    try {
+      for (const sidecar of sidecarsIn.get(dir)) await sidecar.stop();
+    } finally {
+      sidecarsIn.delete(dir);
+      fs.rmSync(dir, { recursive: true, force: true });
+    }
+  });
   return dir;
 }
 
@@ -42,7 +56,8 @@ async function startSidecar(t, dir, listen, ...extra) {
       assert.equal(await exited, 0, 'dedupd exits 0 on SIGTERM');
     },
   };
-  t.after(() => sidecar.stop());
+  if (sidecarsIn.has(dir)) sidecarsIn.get(dir).push(sidecar);
+  else t.after(() => sidecar.stop());
   return sidecar;
 }
 
