@@ -45,7 +45,7 @@ use std::{
     fs::File,
     path::{Path, PathBuf},
     sync::{
-        atomic::{AtomicU64, Ordering::SeqCst},
+        atomic::{AtomicBool, AtomicU64, Ordering::SeqCst},
         mpsc, Arc, Mutex, OnceLock,
     },
     thread,
@@ -53,7 +53,7 @@ use std::{
 };
 
 use sled::IVec;
-use tokio::sync::{oneshot, watch};
+use tokio::sync::Notify;
 
 use super::{
     codec::{decode_mark, decode_record, encode_mark, encode_record, record_retain_until},
@@ -120,7 +120,7 @@ pub struct SledConfig {
 impl SledConfig {
     /// `path` with the defaults: `sync = always`, a 64 MiB cache, a 64 MiB
     /// disk reserve, a 30 s stall timeout and a checkpoint every 30 s or
-    /// 32 MiB of log.
+    /// 16 MiB of log.
     pub fn new(path: impl Into<PathBuf>) -> SledConfig {
         SledConfig {
             path: path.into(),
@@ -129,7 +129,7 @@ impl SledConfig {
             disk_reserve_bytes: 64 << 20,
             stall_timeout: Duration::from_secs(30),
             checkpoint_interval: Duration::from_secs(30),
-            checkpoint_log_bytes: 32 << 20,
+            checkpoint_log_bytes: 16 << 20,
         }
     }
 }
@@ -175,6 +175,8 @@ struct Inner {
     fencing: Fencing,
     counters: Arc<WriteCounters>,
     failure: Arc<Failure>,
+    /// Callers waiting for the committer's next sync.
+    waiters: Arc<SyncWaiters>,
     committer: Mutex<Option<Committer>>,
     stats: Mutex<Option<(std::time::Instant, StoreStats)>>,
     space: Arc<DiskSpace>,
@@ -197,14 +199,14 @@ struct Fencing {
 #[derive(Debug)]
 struct Failure {
     reason: OnceLock<String>,
-    failed: watch::Sender<bool>,
+    waiters: Arc<SyncWaiters>,
 }
 
 impl Failure {
-    fn new() -> Self {
+    fn new(waiters: Arc<SyncWaiters>) -> Self {
         Failure {
             reason: OnceLock::new(),
-            failed: watch::Sender::new(false),
+            waiters,
         }
     }
 
@@ -226,7 +228,7 @@ impl Failure {
         if first {
             tracing::error!(%reason, "the store failed for good: NOT_SERVING; the process stops");
         }
-        self.failed.send_replace(true);
+        self.waiters.synced.notify_waiters();
         reason
     }
 
@@ -252,21 +254,15 @@ impl Failure {
             None => Ok(()),
         }
     }
-
-    /// Resolves once the store has failed.
-    async fn failed(&self) {
-        let mut failed = self.failed.subscribe();
-        let _ = failed.wait_for(|failed| *failed).await;
-    }
 }
 
 /// Counting records walks the whole tree: do it at most this often.
 const STATS_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// The committer thread and the queue of callers waiting for its next sync.
+/// The committer thread and the threads it started.
 #[derive(Debug)]
 struct Committer {
-    queue: Option<mpsc::Sender<Waiter>>,
+    waiters: Arc<SyncWaiters>,
     thread: Option<thread::JoinHandle<()>>,
     /// Ends when the committer (which holds its queue) has.
     checkpointer: Option<thread::JoinHandle<()>>,
@@ -283,7 +279,8 @@ impl Committer {
     /// reopened in this process must find it closed. Not once the store has
     /// failed: either may then be stuck in sled for good.
     fn shut_down(&mut self) {
-        drop(self.queue.take());
+        self.waiters.stopping.store(true, SeqCst);
+        self.waiters.wake_committer();
         drop(self.watch_stop.take());
         if self.failure.get().is_some() {
             return;
@@ -307,16 +304,72 @@ impl Drop for Committer {
     }
 }
 
-type Waiter = oneshot::Sender<Result<(), SyncRefusal>>;
+/// How callers ask the committer for a sync and learn it happened, without
+/// a channel or an allocation per call: a caller takes a ticket (one atomic
+/// add) and wakes the committer thread; the committer reads the tickets
+/// issued *before* it takes the log's frames, so the group it syncs covers
+/// every write those callers could have seen, then publishes that count as
+/// served and wakes every waiting caller at once. A caller whose ticket is
+/// not yet served waits for the next wake-up.
+#[derive(Debug, Default)]
+struct SyncWaiters {
+    /// Tickets issued.
+    requested: AtomicU64,
+    /// Tickets whose group was synced.
+    served: AtomicU64,
+    /// Woken after each group commit, when the store fails and when the
+    /// committer ends.
+    synced: Notify,
+    /// Set at shut down: the committer syncs what is left and ends.
+    stopping: AtomicBool,
+    /// The committer ended: no more syncs.
+    ended: AtomicBool,
+    /// The committer thread, unparked by each ticket.
+    committer: OnceLock<thread::Thread>,
+}
 
-/// Why a group commit did not make its callers' writes durable: a write or
-/// sync of the log failed, and the store stops for good.
-#[derive(Debug, Clone)]
-struct SyncRefusal(String);
+impl SyncWaiters {
+    /// Takes a ticket and wakes the committer: its next group covers every
+    /// write made (or seen) before this call.
+    fn request(&self) -> u64 {
+        let ticket = self.requested.fetch_add(1, SeqCst) + 1;
+        self.wake_committer();
+        ticket
+    }
 
-impl From<SyncRefusal> for Error {
-    fn from(refusal: SyncRefusal) -> Error {
-        Error::Unavailable(refusal.0)
+    fn wake_committer(&self) {
+        if let Some(committer) = self.committer.get() {
+            committer.unpark();
+        }
+    }
+
+    /// Tickets issued and not yet served (the committer's view).
+    fn pending(&self, served: u64) -> u64 {
+        self.requested.load(SeqCst).saturating_sub(served)
+    }
+
+    /// Parks the committer until a ticket is pending, shut down begins or
+    /// `timeout` passes.
+    fn wait_for_request(&self, served: u64, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while self.pending(served) == 0 && !self.stopping.load(SeqCst) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            thread::park_timeout(left);
+        }
+    }
+}
+
+/// Marks the committer ended however its thread leaves (return or panic),
+/// and wakes the callers still waiting: nobody will sync for them.
+struct CommitterEnded(Arc<SyncWaiters>);
+
+impl Drop for CommitterEnded {
+    fn drop(&mut self) {
+        self.0.ended.store(true, SeqCst);
+        self.0.synced.notify_waiters();
     }
 }
 
@@ -398,29 +451,39 @@ impl SledStore {
             .get(FENCE_KEY)?
             .map(|bytes| decode_u64(&bytes))
             .transpose()?;
-        let replayed = wal::replay(&wal_dir, |frame| {
-            let tree: &sled::Tree = match frame.tree {
-                Tree::Meta => &db,
-                Tree::Records => &records,
-                Tree::Marks => &marks,
-            };
-            // After a kill -9 sled holds nearly all of it already: a change
-            // it has is not written again (sled's log would grow by the whole
-            // replay, on a disk that may be at its reserve).
-            let current = tree.get(frame.key)?;
-            match frame.value {
-                Some(value) => {
-                    if frame.tree == Tree::Records {
-                        highest_token = highest_token.max(decode_record(value)?.fencing_token.0);
-                    }
-                    if current.as_deref() != Some(value) {
+        let replayed = wal::replay(&wal_dir, |frames| {
+            // Only a key's last change in a segment is applied (a claim and
+            // its commit are usually two frames of one segment): start-up
+            // after a crash is mostly these reads of sled. Every record
+            // frame still counts for the tokens.
+            let mut last_change = std::collections::HashMap::with_capacity(frames.len());
+            for (index, frame) in frames.iter().enumerate() {
+                if let (Tree::Records, Some(value)) = (frame.tree, frame.value) {
+                    highest_token = highest_token.max(decode_record(value)?.fencing_token.0);
+                }
+                last_change.insert((frame.tree, frame.key), index);
+            }
+            for (index, frame) in frames.iter().enumerate() {
+                if last_change.get(&(frame.tree, frame.key)) != Some(&index) {
+                    continue;
+                }
+                let tree: &sled::Tree = match frame.tree {
+                    Tree::Meta => &db,
+                    Tree::Records => &records,
+                    Tree::Marks => &marks,
+                };
+                // After a kill -9 sled holds nearly all of it already: a
+                // change it has is not written again (sled's log would grow
+                // by the whole replay, on a disk that may be at its reserve).
+                let current = tree.get(frame.key)?;
+                match frame.value {
+                    Some(value) if current.as_deref() != Some(value) => {
                         tree.insert(frame.key, value)?;
                     }
-                }
-                None => {
-                    if current.is_some() {
+                    None if current.is_some() => {
                         tree.remove(frame.key)?;
                     }
+                    _ => {}
                 }
             }
             Ok(())
@@ -467,7 +530,8 @@ impl SledStore {
         wal::remove_through(&wal_dir, replayed.last_segment)?;
 
         let counters = Arc::new(WriteCounters::default());
-        let failure = Arc::new(Failure::new());
+        let waiters = Arc::new(SyncWaiters::default());
+        let failure = Arc::new(Failure::new(Arc::clone(&waiters)));
         let stall = Arc::new(StallWatch::new(config.stall_timeout));
         let checkpoint_stall = Arc::new(StallWatch::new(config.stall_timeout));
         let space = Arc::new(DiskSpace::new(
@@ -490,6 +554,7 @@ impl SledStore {
                         counters: Arc::clone(&counters),
                         space: Arc::clone(&space),
                         failure: Arc::clone(&failure),
+                        waiters: Arc::clone(&waiters),
                         stall: Arc::clone(&stall),
                         checkpoint_stall: Arc::clone(&checkpoint_stall),
                         checkpoint_interval: config.checkpoint_interval,
@@ -518,6 +583,7 @@ impl SledStore {
                 },
                 counters,
                 failure,
+                waiters,
                 committer: Mutex::new(committer),
                 stats: Mutex::new(None),
                 space,
@@ -848,29 +914,27 @@ impl Store for SledStore {
         {
             return Ok(());
         }
-        let (waiter, synced) = oneshot::channel();
-        let queued = match &*inner.committer.lock().expect("committer lock poisoned") {
-            Some(Committer {
-                queue: Some(queue), ..
-            }) => queue.send(waiter).is_ok(),
-            _ => false,
-        };
-        if !queued {
-            return Err(Error::Unavailable("the store is closed".into()));
-        }
-        tokio::select! {
-            // The committer's answer is the truth about its group; the
-            // failure is for a sync that never answers.
-            biased;
-            synced = synced => match synced {
-                Ok(result) => result.map_err(Error::from),
-                Err(_) => Err(Error::Unavailable("the store is closed".into())),
-            },
-            // A wedged sync never answers: the stall watch fails the store
-            // and wakes everyone here instead.
-            () = inner.failure.failed() => Err(self.health().err().unwrap_or_else(|| {
-                Error::Unavailable("the store failed".into())
-            })),
+        let waiters = &inner.waiters;
+        let mut ticket = None;
+        loop {
+            // Created before the checks: a wake-up after them is not lost.
+            let synced = waiters.synced.notified();
+            if let Some(ticket) = ticket {
+                // The committer's answer is the truth about its group (a
+                // failure after it does not undo a sync that happened).
+                if waiters.served.load(SeqCst) >= ticket {
+                    return Ok(());
+                }
+            }
+            // A failed sync, or a wedged one the stall watch gave up on.
+            inner.failure.check()?;
+            if waiters.ended.load(SeqCst) {
+                return Err(Error::Unavailable("the store is closed".into()));
+            }
+            if ticket.is_none() {
+                ticket = Some(waiters.request());
+            }
+            synced.await;
         }
     }
 
@@ -924,8 +988,8 @@ impl Store for SledStore {
     }
 
     async fn close(&self) -> Result<(), Error> {
-        // Later durable() calls fail fast; waiters already queued are still
-        // answered by the committer, which exits once the queue is drained.
+        // Callers already waiting are answered by the committer's last group;
+        // later ones find it ended and fail fast.
         let committer = self.inner.committer.lock().expect("lock").take();
         // A failed store syncs nothing more, and its committer may be stuck
         // in sled for good: do not wait for it.
@@ -961,6 +1025,7 @@ struct CommitterParts {
     counters: Arc<WriteCounters>,
     space: Arc<DiskSpace>,
     failure: Arc<Failure>,
+    waiters: Arc<SyncWaiters>,
     stall: Arc<StallWatch>,
     checkpoint_stall: Arc<StallWatch>,
     checkpoint_interval: Duration,
@@ -981,12 +1046,13 @@ fn spawn_committer(
         counters,
         space,
         failure,
+        waiters,
         stall,
         checkpoint_stall,
         checkpoint_interval,
         checkpoint_log_bytes,
     } = parts;
-    let (queue, waiters) = mpsc::channel::<Waiter>();
+    let waiters_for_shutdown = Arc::clone(&waiters);
     let (seals, sealed) = mpsc::channel::<(u64, u64)>();
     let checkpointing = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let checkpointer = spawn_checkpointer(
@@ -1009,7 +1075,8 @@ fn spawn_committer(
     let thread = thread::Builder::new()
         .name("dedupd-committer".into())
         .spawn(move || {
-            let mut batch = Vec::new();
+            let _ended = CommitterEnded(Arc::clone(&waiters));
+            let mut served = 0;
             let mut frames = Vec::new();
             let mut gather = Gather::default();
             let mut last_seal = Instant::now();
@@ -1019,22 +1086,22 @@ fn spawn_committer(
                 let until_checkpoint = checkpoint_interval
                     .saturating_sub(last_seal.elapsed())
                     .max(CHECKPOINT_POLL);
-                let ending = match waiters.recv_timeout(until_checkpoint) {
-                    Ok(first) => {
-                        batch.push(first);
-                        batch.extend(waiters.try_iter());
-                        gather.more(&mut batch, &waiters);
-                        false
-                    }
-                    // Time for a checkpoint: whatever was logged without a
-                    // waiter (the reaper's removals) is synced first.
-                    Err(mpsc::RecvTimeoutError::Timeout) => false,
-                    // Shutting down: the last frames are synced before the
-                    // final checkpoint.
-                    Err(mpsc::RecvTimeoutError::Disconnected) => true,
-                };
-                let outcome = match failure.get() {
-                    Some(reason) => Err(SyncRefusal(reason.clone())),
+                // Woken by a ticket; or it is time for a checkpoint, and
+                // whatever was logged without a waiter (the reaper's
+                // removals) is synced first; or shutting down, and the last
+                // frames are synced before the final checkpoint.
+                waiters.wait_for_request(served, until_checkpoint);
+                let ending = waiters.stopping.load(SeqCst);
+                if !ending {
+                    gather.more(|| waiters.pending(served));
+                }
+                // Read before the frames are taken: every ticket counted
+                // here was issued after its caller's write was framed (or
+                // was visible, and so is framed once the lock is ours).
+                let tickets = waiters.requested.load(SeqCst);
+                let group = tickets - served;
+                let outcome: Result<(), ()> = match failure.get() {
+                    Some(_) => Err(()),
                     None => 'group: {
                         let finished = {
                             let mut appender = appender.lock().expect("log lock poisoned");
@@ -1043,7 +1110,7 @@ fn spawn_committer(
                             // and its frame: every write counted is framed.
                             counters.finished.load(SeqCst)
                         };
-                        if frames.is_empty() && batch.is_empty() {
+                        if frames.is_empty() && group == 0 {
                             break 'group Ok(());
                         }
                         let started = Instant::now();
@@ -1074,16 +1141,17 @@ fn spawn_committer(
                             });
                         stall.sync_done();
                         let elapsed = started.elapsed();
-                        if !batch.is_empty() {
+                        if group > 0 {
+                            let group = group as usize;
                             tracing::trace!(
-                                group = batch.len(),
+                                group,
                                 bytes = frames.len(),
                                 sync_us = elapsed.as_micros() as u64,
                                 "group commit"
                             );
-                            gather.synced(batch.len(), elapsed);
+                            gather.synced(group, elapsed);
                             if let Some(observer) = &observer {
-                                observer.group_commit(batch.len(), elapsed);
+                                observer.group_commit(group, elapsed);
                             }
                         }
                         if frames.capacity() > SPARE_FRAMES_BYTES {
@@ -1100,17 +1168,22 @@ fn spawn_committer(
                                 // report success for lost data. Fail for
                                 // good; frames not written are lost with
                                 // the process, answered to nobody.
-                                let reason = format!("{failed}; restart dedupd");
-                                Err(SyncRefusal(failure.fail(reason)))
+                                // (fail() wakes every waiting caller.)
+                                failure.fail(format!("{failed}; restart dedupd"));
+                                Err(())
                             }
                         }
                     }
                 };
-                let synced = outcome.is_ok();
-                for waiter in batch.drain(..) {
-                    let _ = waiter.send(outcome.clone());
+                if outcome.is_err() {
+                    return;
                 }
-                if ending || !synced {
+                served = tickets;
+                waiters.served.store(served, SeqCst);
+                if group > 0 {
+                    waiters.synced.notify_waiters();
+                }
+                if ending {
                     return;
                 }
                 let due = writer.since_seal >= checkpoint_log_bytes
@@ -1143,6 +1216,10 @@ fn spawn_committer(
                 }
             }
         })?;
+    waiters_for_shutdown
+        .committer
+        .set(thread.thread().clone())
+        .expect("one committer per store");
     let (watch_stop, stop) = mpsc::channel();
     let failure_for_probe = Arc::clone(&failure_for_watch);
     let probe = Arc::new(move || {
@@ -1161,7 +1238,7 @@ fn spawn_committer(
             });
         })?;
     Ok(Committer {
-        queue: Some(queue),
+        waiters: waiters_for_shutdown,
         thread: Some(thread),
         checkpointer: Some(checkpointer),
         watch_stop: Some(watch_stop),
@@ -1300,17 +1377,20 @@ struct Gather {
 }
 
 impl Gather {
-    fn more<T>(&self, batch: &mut Vec<T>, waiters: &mpsc::Receiver<T>) {
-        if batch.len() >= self.last_group {
+    /// Parks the committer (each ticket unparks it) until `pending()` reaches
+    /// the last group's size or the gathering time is up.
+    fn more(&self, pending: impl Fn() -> u64) {
+        let wanted = self.last_group as u64;
+        if pending() >= wanted {
             return;
         }
         let deadline = Instant::now() + (self.last_sync / 2).min(MAX_GATHER);
-        while batch.len() < self.last_group {
+        while pending() < wanted {
             let left = deadline.saturating_duration_since(Instant::now());
-            match waiters.recv_timeout(left) {
-                Ok(waiter) => batch.push(waiter),
-                Err(_) => return,
+            if left.is_zero() {
+                return;
             }
+            thread::park_timeout(left);
         }
     }
 
@@ -1527,40 +1607,51 @@ mod tests {
     /// and no longer than its bound; a lone caller at low load never waits.
     #[test]
     fn a_group_commit_gathers_what_the_last_one_answered() {
-        let (queue, waiters) = mpsc::channel::<u32>();
+        use std::cell::Cell;
         let mut gather = Gather::default();
+        let asked = Cell::new(0);
+        let pending = |waiting: u64| {
+            let asked = &asked;
+            move || {
+                asked.set(asked.get() + 1);
+                waiting
+            }
+        };
 
-        let mut batch = vec![1];
-        gather.more(&mut batch, &waiters);
-        assert_eq!(batch, [1], "the first group never waits");
+        gather.more(pending(1));
+        assert_eq!(asked.get(), 1, "the first group never waits");
 
         gather.synced(3, Duration::from_millis(10));
-        queue.send(2).unwrap();
-        queue.send(3).unwrap();
-        queue.send(4).unwrap();
-        let mut batch = vec![1];
-        gather.more(&mut batch, &waiters);
-        assert_eq!(batch, [1, 2, 3], "callers behind the first join its group");
+        asked.set(0);
+        gather.more(pending(3));
         assert_eq!(
-            waiters.try_recv(),
-            Ok(4),
-            "and the group stops at the last size"
+            asked.get(),
+            1,
+            "a group as large as the last one syncs at once"
         );
+
+        // Callers arriving one by one (each unparks the committer).
+        let arrived = Cell::new(1u64);
+        let started = Instant::now();
+        gather.more(|| {
+            let now = arrived.get();
+            arrived.set(now + 1);
+            thread::current().unpark();
+            now
+        });
+        // (Unless the machine stalled this thread past the gathering bound.)
+        assert!(
+            arrived.get() == 4 || started.elapsed() >= MAX_GATHER,
+            "it waits until the last group's size is there"
+        );
+        assert!(arrived.get() <= 4, "and asks no further once it is");
 
         gather.synced(64, Duration::from_secs(5));
         let started = Instant::now();
-        let mut batch = vec![1];
-        gather.more(&mut batch, &waiters);
-        assert_eq!(batch, [1]);
+        gather.more(pending(1));
         assert!(
             started.elapsed() < Duration::from_secs(1),
             "a slow last sync does not stretch the wait past MAX_GATHER"
         );
-
-        gather.synced(1, Duration::from_millis(10));
-        queue.send(2).unwrap();
-        let mut batch = vec![1];
-        gather.more(&mut batch, &waiters);
-        assert_eq!(batch, [1], "a group as large as the last one syncs at once");
     }
 }

@@ -49,7 +49,7 @@ const HEADER_BYTES: usize = 8;
 const FIXED_PAYLOAD_BYTES: usize = 8 + 1 + 1 + 4;
 
 /// Which sled tree a frame changes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) enum Tree {
     /// sled's default tree (the fencing reservation).
     Meta = 0,
@@ -257,11 +257,12 @@ pub(super) struct Replayed {
     pub torn: Option<(PathBuf, usize, &'static str)>,
 }
 
-/// Calls `apply` with every frame the segments in `directory` hold, in
-/// order, stopping at a torn tail (see the module docs).
+/// Calls `apply` with the frames of each segment in `directory`, segment
+/// by segment, in order, stopping at a torn tail (see the module docs).
+/// Every frame is checked before any of its segment is applied.
 pub(super) fn replay(
     directory: &Path,
-    mut apply: impl FnMut(Frame<'_>) -> Result<(), Error>,
+    mut apply: impl FnMut(&[Frame<'_>]) -> Result<(), Error>,
 ) -> Result<Replayed, Error> {
     let segments = segments(directory)?;
     let mut replayed = Replayed::default();
@@ -270,6 +271,7 @@ pub(super) fn replay(
         let last = index + 1 == segments.len();
         let bytes = std::fs::read(path)?;
         let mut offset = 0;
+        let mut frames = Vec::new();
         loop {
             match decode_at(&bytes, offset) {
                 Decoded::Frame(frame, next) => {
@@ -286,7 +288,7 @@ pub(super) fn replay(
                     expected_lsn = Some(frame.lsn + 1);
                     replayed.frames += 1;
                     replayed.bytes += (next - offset) as u64;
-                    apply(frame)?;
+                    frames.push(frame);
                     offset = next;
                 }
                 Decoded::End => break,
@@ -303,6 +305,7 @@ pub(super) fn replay(
                 }
             }
         }
+        apply(&frames)?;
         replayed.last_segment = *sequence;
     }
     replayed.next_lsn = expected_lsn.unwrap_or(1);
@@ -505,12 +508,14 @@ mod tests {
 
     fn collect(directory: &Path) -> Result<(Vec<Owned>, Replayed), Error> {
         let mut seen = Vec::new();
-        let replayed = replay(directory, |frame| {
-            seen.push((
-                frame.lsn,
-                frame.key.to_vec(),
-                frame.value.map(<[u8]>::to_vec),
-            ));
+        let replayed = replay(directory, |frames| {
+            seen.extend(frames.iter().map(|frame| {
+                (
+                    frame.lsn,
+                    frame.key.to_vec(),
+                    frame.value.map(<[u8]>::to_vec),
+                )
+            }));
             Ok(())
         })?;
         Ok((seen, replayed))
