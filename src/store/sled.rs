@@ -363,13 +363,20 @@ impl SyncWaiters {
 }
 
 /// Marks the committer ended however its thread leaves (return or panic),
-/// and wakes the callers still waiting: nobody will sync for them.
-struct CommitterEnded(Arc<SyncWaiters>);
+/// and wakes the callers still waiting: nobody will sync for them. Ending
+/// when nobody asked it to (a panic) fails the store: writes would go on
+/// being framed with nobody to sync them, and health must say so.
+struct CommitterEnded(Arc<Failure>);
 
 impl Drop for CommitterEnded {
     fn drop(&mut self) {
-        self.0.ended.store(true, SeqCst);
-        self.0.synced.notify_waiters();
+        let failure = &self.0;
+        if thread::panicking() || !failure.waiters.stopping.load(SeqCst) {
+            // (A no-op when a failure already ended it: the first reason stays.)
+            failure.fail("the committer thread ended unexpectedly; restart dedupd".into());
+        }
+        failure.waiters.ended.store(true, SeqCst);
+        failure.waiters.synced.notify_waiters();
     }
 }
 
@@ -1075,7 +1082,7 @@ fn spawn_committer(
     let thread = thread::Builder::new()
         .name("dedupd-committer".into())
         .spawn(move || {
-            let _ended = CommitterEnded(Arc::clone(&waiters));
+            let _ended = CommitterEnded(Arc::clone(&failure));
             let mut served = 0;
             let mut frames = Vec::new();
             let mut gather = Gather::default();
@@ -1092,7 +1099,8 @@ fn spawn_committer(
                 // frames are synced before the final checkpoint.
                 waiters.wait_for_request(served, until_checkpoint);
                 let ending = waiters.stopping.load(SeqCst);
-                if !ending {
+                // (Not for a checkpoint's sync nobody waits for.)
+                if !ending && waiters.pending(served) > 0 {
                     gather.more(|| waiters.pending(served));
                 }
                 // Read before the frames are taken: every ticket counted
@@ -1230,21 +1238,26 @@ fn spawn_committer(
             }
         }
     });
-    let watch = thread::Builder::new()
-        .name("dedupd-sync-watch".into())
-        .spawn(move || {
-            watch_syncs(&stall_for_watch, &stop, PROBE_AFTER, probe, |stall| {
-                failure_for_watch.fail(stall.reason());
-            });
-        })?;
-    Ok(Committer {
+    // Built before the last spawn: if that fails, dropping it stops the
+    // committer and the checkpointer (they hold the database open).
+    let mut committer = Committer {
         waiters: waiters_for_shutdown,
         thread: Some(thread),
         checkpointer: Some(checkpointer),
         watch_stop: Some(watch_stop),
-        watch: Some(watch),
+        watch: None,
         failure: failure_for_shutdown,
-    })
+    };
+    committer.watch = Some(
+        thread::Builder::new()
+            .name("dedupd-sync-watch".into())
+            .spawn(move || {
+                watch_syncs(&stall_for_watch, &stop, PROBE_AFTER, probe, |stall| {
+                    failure_for_watch.fail(stall.reason());
+                });
+            })?,
+    );
+    Ok(committer)
 }
 
 /// On a disk close to its reserve, a checkpoint starts once this much log
@@ -1601,6 +1614,86 @@ mod tests {
         let old = crate::api::Limits::default().key("reap", "evt").unwrap();
         assert!(store.get(&old).await.unwrap().is_some());
         assert!(store.get(&key).await.unwrap().is_none());
+    }
+
+    /// Replay after a crash applies only each key's last change in a
+    /// segment: a key removed after it was written is gone, a key written
+    /// twice holds the second value, a logged fencing reservation below
+    /// sled's lowers nothing, and a token seen only in a superseded frame
+    /// still counts.
+    #[tokio::test]
+    async fn the_replay_applies_each_keys_last_change_and_counts_every_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let (gone, kept) = (claim_request("gone").key, claim_request("kept").key);
+        let template = {
+            let store = store(dir.path());
+            let engine = Engine::new(
+                Arc::new(store.clone()),
+                Arc::new(ManualClock::new(UnixMillis(1_000_000))),
+            );
+            engine.claim(&claim_request("gone")).await.unwrap();
+            let ClaimOutcome::Claimed { record, .. } =
+                engine.claim(&claim_request("kept")).await.unwrap()
+            else {
+                panic!("a fresh key is claimable");
+            };
+            store.close().await.unwrap();
+            record
+        };
+        let with_token = |token| {
+            encode_record(&Record {
+                fencing_token: FencingToken(token),
+                ..template.clone()
+            })
+        };
+        // A log as a crash leaves it (the close checkpointed and removed
+        // the last one): sled holds both keys, the log says otherwise.
+        let high = 50 * FENCE_BLOCK;
+        let mut frames = Vec::new();
+        let (gone_bytes, kept_bytes) = (gone.to_bytes(), kept.to_bytes());
+        let high_record = with_token(high);
+        wal::encode_frame(
+            &mut frames,
+            1,
+            Tree::Records,
+            &gone_bytes,
+            Some(&high_record),
+        );
+        wal::encode_frame(
+            &mut frames,
+            2,
+            Tree::Meta,
+            FENCE_KEY,
+            Some(&1u64.to_le_bytes()),
+        );
+        wal::encode_frame(
+            &mut frames,
+            3,
+            Tree::Records,
+            &kept_bytes,
+            Some(&with_token(7)),
+        );
+        wal::encode_frame(&mut frames, 4, Tree::Records, &gone_bytes, None);
+        wal::encode_frame(
+            &mut frames,
+            5,
+            Tree::Records,
+            &kept_bytes,
+            Some(&with_token(8)),
+        );
+        let mut writer = wal::Writer::create(&dir.path().join(wal::WAL_DIR), 1).unwrap();
+        writer.write(&frames).unwrap();
+        writer.sync().unwrap();
+        drop(writer);
+
+        let store = reopen(dir.path()).await;
+        assert!(store.get(&gone).await.unwrap().is_none(), "removed last");
+        assert_eq!(
+            store.get(&kept).await.unwrap().unwrap().fencing_token,
+            FencingToken(8),
+            "the last of two changes"
+        );
+        assert!(store.issue_fencing().unwrap().0 > high);
     }
 
     /// A group commit waits for as many callers as the last one answered,

@@ -245,9 +245,9 @@ fn segment_path(directory: &Path, sequence: u64) -> PathBuf {
 /// What [`replay`] found.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub(super) struct Replayed {
-    /// Frames applied.
+    /// Frames read and checked (the caller may apply fewer).
     pub frames: u64,
-    /// Bytes of frames applied.
+    /// Bytes of those frames.
     pub bytes: u64,
     /// The last segment's sequence number (0: no segment).
     pub last_segment: u64,
