@@ -12,10 +12,7 @@
 use std::{
     io,
     path::PathBuf,
-    sync::{
-        atomic::{AtomicU64, Ordering::Relaxed},
-        Mutex,
-    },
+    sync::atomic::{AtomicU64, Ordering::Relaxed},
     time::{Duration, Instant},
 };
 
@@ -41,7 +38,10 @@ pub(crate) struct DiskSpace {
     free: AtomicU64,
     /// Bytes of write-ahead log that a replay may still write into sled.
     owed: AtomicU64,
-    checked_at: Mutex<Option<Instant>>,
+    /// When `free` was last read: microseconds after `epoch`, plus one (0:
+    /// never). An atomic, not a lock: every write asks.
+    checked_at: AtomicU64,
+    epoch: Instant,
 }
 
 impl DiskSpace {
@@ -52,7 +52,8 @@ impl DiskSpace {
             reserve,
             free: AtomicU64::new(u64::MAX),
             owed: AtomicU64::new(0),
-            checked_at: Mutex::new(None),
+            checked_at: AtomicU64::new(0),
+            epoch: Instant::now(),
         }
     }
 
@@ -84,22 +85,26 @@ impl DiskSpace {
         self.free.load(Relaxed)
     }
 
+    fn micros_since_epoch(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
+    }
+
     /// Reads the free space now.
     pub(crate) fn refresh(&self) -> io::Result<u64> {
         let stat = rustix::fs::statvfs(&self.path)?;
         let free = stat.f_bavail.saturating_mul(stat.f_frsize);
         self.free.store(free, Relaxed);
-        *self.checked_at.lock().expect("disk space lock") = Some(Instant::now());
+        self.checked_at
+            .store(self.micros_since_epoch().saturating_add(1), Relaxed);
         Ok(free)
     }
 
     fn current(&self) -> io::Result<u64> {
         let cached = self.free();
-        let fresh = self
-            .checked_at
-            .lock()
-            .expect("disk space lock")
-            .is_some_and(|at| at.elapsed() < REFRESH);
+        let checked_at = self.checked_at.load(Relaxed);
+        let fresh = checked_at > 0
+            && self.micros_since_epoch().saturating_sub(checked_at - 1)
+                < REFRESH.as_micros() as u64;
         if fresh
             && cached
                 > self
