@@ -452,7 +452,12 @@ fn create_segment(directory: &Path, path: &Path, size: u64) -> Result<(File, u64
     Ok((file, capacity))
 }
 
-/// Deletes every segment up to `sequence` (a checkpoint covers them).
+/// Deletes every segment up to `sequence` (a checkpoint covers them),
+/// oldest first, each deletion made durable before the next: a power loss
+/// part-way must leave the newest segments, never an older one with a
+/// newer one gone — replayed, its stale changes would overwrite what the
+/// deleted one checkpointed (and the LSN gap would refuse to open). One
+/// directory sync per segment, at a checkpoint: one or two.
 pub(super) fn remove_through(directory: &Path, sequence: u64) -> Result<usize, Error> {
     let mut removed = 0;
     for (found, path) in segments(directory)? {
@@ -460,13 +465,13 @@ pub(super) fn remove_through(directory: &Path, sequence: u64) -> Result<usize, E
             break;
         }
         match std::fs::remove_file(&path) {
-            Ok(()) => removed += 1,
+            Ok(()) => {
+                removed += 1;
+                sync_directory(directory)?;
+            }
             Err(error) if error.kind() == io::ErrorKind::NotFound => {}
             Err(error) => return Err(error.into()),
         }
-    }
-    if removed > 0 {
-        sync_directory(directory)?;
     }
     Ok(removed)
 }
