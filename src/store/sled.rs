@@ -264,7 +264,7 @@ const STATS_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(30);
 struct Committer {
     waiters: Arc<SyncWaiters>,
     thread: Option<thread::JoinHandle<()>>,
-    /// Ends when the committer (which holds its queue) has.
+    /// Ends when the committer (which holds the sender of its seals) has.
     checkpointer: Option<thread::JoinHandle<()>>,
     /// Dropped to end the sync watch.
     watch_stop: Option<mpsc::Sender<()>>,
