@@ -174,9 +174,8 @@ struct Inner {
     appender: Option<Arc<Mutex<Appender>>>,
     fencing: Fencing,
     counters: Arc<WriteCounters>,
+    /// Also holds the callers waiting for the committer's next sync.
     failure: Arc<Failure>,
-    /// Callers waiting for the committer's next sync.
-    waiters: Arc<SyncWaiters>,
     committer: Mutex<Option<Committer>>,
     stats: Mutex<Option<(std::time::Instant, StoreStats)>>,
     space: Arc<DiskSpace>,
@@ -195,21 +194,15 @@ struct Fencing {
 }
 
 /// The store's permanent failure: set once, never cleared; callers waiting
-/// for a sync are woken when it is set.
-#[derive(Debug)]
+/// for a sync (held here, as every thread that can fail the store must
+/// wake them) are woken when it is set.
+#[derive(Debug, Default)]
 struct Failure {
     reason: OnceLock<String>,
-    waiters: Arc<SyncWaiters>,
+    waiters: SyncWaiters,
 }
 
 impl Failure {
-    fn new(waiters: Arc<SyncWaiters>) -> Self {
-        Failure {
-            reason: OnceLock::new(),
-            waiters,
-        }
-    }
-
     fn get(&self) -> Option<&String> {
         self.reason.get()
     }
@@ -262,7 +255,6 @@ const STATS_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(30);
 /// The committer thread and the threads it started.
 #[derive(Debug)]
 struct Committer {
-    waiters: Arc<SyncWaiters>,
     thread: Option<thread::JoinHandle<()>>,
     /// Ends when the committer (which holds the sender of its seals) has.
     checkpointer: Option<thread::JoinHandle<()>>,
@@ -279,8 +271,8 @@ impl Committer {
     /// reopened in this process must find it closed. Not once the store has
     /// failed: either may then be stuck in sled for good.
     fn shut_down(&mut self) {
-        self.waiters.stopping.store(true, SeqCst);
-        self.waiters.wake_committer();
+        self.failure.waiters.stopping.store(true, SeqCst);
+        self.failure.waiters.wake_committer();
         drop(self.watch_stop.take());
         if self.failure.get().is_some() {
             return;
@@ -537,8 +529,7 @@ impl SledStore {
         wal::remove_through(&wal_dir, replayed.last_segment)?;
 
         let counters = Arc::new(WriteCounters::default());
-        let waiters = Arc::new(SyncWaiters::default());
-        let failure = Arc::new(Failure::new(Arc::clone(&waiters)));
+        let failure = Arc::new(Failure::default());
         let stall = Arc::new(StallWatch::new(config.stall_timeout));
         let checkpoint_stall = Arc::new(StallWatch::new(config.stall_timeout));
         let space = Arc::new(DiskSpace::new(
@@ -561,7 +552,6 @@ impl SledStore {
                         counters: Arc::clone(&counters),
                         space: Arc::clone(&space),
                         failure: Arc::clone(&failure),
-                        waiters: Arc::clone(&waiters),
                         stall: Arc::clone(&stall),
                         checkpoint_stall: Arc::clone(&checkpoint_stall),
                         checkpoint_interval: config.checkpoint_interval,
@@ -590,7 +580,6 @@ impl SledStore {
                 },
                 counters,
                 failure,
-                waiters,
                 committer: Mutex::new(committer),
                 stats: Mutex::new(None),
                 space,
@@ -921,7 +910,7 @@ impl Store for SledStore {
         {
             return Ok(());
         }
-        let waiters = &inner.waiters;
+        let waiters = &inner.failure.waiters;
         let mut ticket = None;
         loop {
             // Created before the checks: a wake-up after them is not lost.
@@ -1032,7 +1021,6 @@ struct CommitterParts {
     counters: Arc<WriteCounters>,
     space: Arc<DiskSpace>,
     failure: Arc<Failure>,
-    waiters: Arc<SyncWaiters>,
     stall: Arc<StallWatch>,
     checkpoint_stall: Arc<StallWatch>,
     checkpoint_interval: Duration,
@@ -1053,13 +1041,11 @@ fn spawn_committer(
         counters,
         space,
         failure,
-        waiters,
         stall,
         checkpoint_stall,
         checkpoint_interval,
         checkpoint_log_bytes,
     } = parts;
-    let waiters_for_shutdown = Arc::clone(&waiters);
     let (seals, sealed) = mpsc::channel::<(u64, u64)>();
     let checkpointing = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let checkpointer = spawn_checkpointer(
@@ -1083,6 +1069,7 @@ fn spawn_committer(
         .name("dedupd-committer".into())
         .spawn(move || {
             let _ended = CommitterEnded(Arc::clone(&failure));
+            let waiters = &failure.waiters;
             let mut served = 0;
             let mut frames = Vec::new();
             let mut gather = Gather::default();
@@ -1224,7 +1211,8 @@ fn spawn_committer(
                 }
             }
         })?;
-    waiters_for_shutdown
+    failure_for_shutdown
+        .waiters
         .committer
         .set(thread.thread().clone())
         .expect("one committer per store");
@@ -1241,7 +1229,6 @@ fn spawn_committer(
     // Built before the last spawn: if that fails, dropping it stops the
     // committer and the checkpointer (they hold the database open).
     let mut committer = Committer {
-        waiters: waiters_for_shutdown,
         thread: Some(thread),
         checkpointer: Some(checkpointer),
         watch_stop: Some(watch_stop),
