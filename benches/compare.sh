@@ -25,6 +25,16 @@ while [ $# -gt 0 ]; do
   esac
 done
 
+# matplotlib for the plots, in a virtualenv of its own outside the tree.
+plotting_python() {
+  local venv="${XDG_CACHE_HOME:-$HOME/.cache}/dedupd-bench/plots"
+  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import matplotlib' 2>/dev/null; then
+    python3 -m venv "$venv" >&2 && "$venv/bin/pip" install --quiet -r benches/requirements.txt >&2
+  fi
+  echo "$venv/bin/python"
+}
+plotting_python >/dev/null
+
 cargo build --release --locked --quiet --workspace
 bin=target/release/dedupd
 bench=target/release/dedupd-bench
@@ -157,10 +167,15 @@ kill -TERM $big_pid; wait $big_pid 2>/dev/null || true
 disk_bytes=$(du -sb "$work/big" | cut -f1)
 
 fsync_line=$(dd if=/dev/zero of="$work/dsync.test" bs=4k count=500 oflag=dsync 2>&1 | tail -1)
-python3 benches/report.py "$results" "$out" <<JSON
+# The run's figures are kept, so the page and its plots can be rendered
+# again (benches/report.py's docstring).
+mkdir -p benches/results
+cp "$results" benches/results/compare.jsonl
+cat > benches/results/compare-extra.json <<JSON
 {"records": $records, "load_seconds": $load_seconds, "peak_rss_kb": $peak_rss_kb,
  "disk_bytes": $disk_bytes, "startup_seconds": $startup_seconds,
  "rss_after_restart_kb": $rss_after_restart_kb, "log_bytes": $log_bytes, "load": $(cat "$work/load.json"),
  "duration": "$duration", "repeats": $repeats, "dsync": "$fsync_line"}
 JSON
-echo "wrote $out"
+"$(plotting_python)" benches/report.py benches/results/compare.jsonl "$out" < benches/results/compare-extra.json
+echo "wrote $out and its plots in docs/benchmarks/"

@@ -1,7 +1,13 @@
 #!/usr/bin/env python3
-"""Turns benches/compare.sh results into BENCHMARKS.md.
+"""Turns benches/compare.sh results into BENCHMARKS.md and its plots.
 
-argv: results.jsonl out.md; stdin: one JSON object of resource figures.
+argv: results.jsonl out.md [plots-dir]; stdin: one JSON object of resource
+figures. With plots-dir (default: docs/benchmarks beside out.md), renders
+PNG plots with matplotlib: throughput and p99 against concurrency for every
+target, and dedupd's ratio to each peer; BENCHMARKS.md shows them beside the
+tables. compare.sh keeps its inputs in benches/results/, so
+`benches/report.py benches/results/compare.jsonl BENCHMARKS.md <
+benches/results/compare-extra.json` renders the same page again.
 """
 import datetime
 import json
@@ -13,6 +19,7 @@ import sys
 from collections import defaultdict
 
 results_path, out_path = sys.argv[1], sys.argv[2]
+plots_dir = sys.argv[3] if len(sys.argv) > 3 else os.path.join(os.path.dirname(os.path.abspath(out_path)), "docs", "benchmarks")
 extra = json.load(sys.stdin)
 runs = [json.loads(line) for line in open(results_path) if line.strip()]
 
@@ -74,6 +81,66 @@ def rustc():
         return "rustc ?"
 
 
+def plot(workload, title, unit):
+    """Three PNGs for `workload`; returns their paths relative to out.md."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(plots_dir, exist_ok=True)
+    cs = concurrencies(workload)
+    relative = os.path.relpath(plots_dir, os.path.dirname(os.path.abspath(out_path)))
+    made = []
+
+    def save(figure, name):
+        figure.tight_layout()
+        figure.savefig(os.path.join(plots_dir, name), dpi=110)
+        plt.close(figure)
+        made.append(f"{relative}/{name}")
+
+    for field, label, name in [
+        ("ops_per_sec", unit, f"{workload}-throughput.png"),
+        ("latency_us.p99", "p99 latency, µs", f"{workload}-p99.png"),
+    ]:
+        figure, axes = plt.subplots(figsize=(7.5, 4.2))
+        for target in ORDER:
+            points = [(c, median(workload, c, target, field)) for c in cs]
+            points = [(c, v) for c, v in points if v is not None]
+            if points:
+                style = "-" if target.startswith("dedupd") else "--"
+                axes.plot(*zip(*points), style, marker="o", label=target)
+        axes.set_xscale("log", base=2)
+        axes.set_yscale("log")
+        axes.set_xticks(cs, [str(c) for c in cs])
+        axes.set_xlabel("concurrency (calls in flight)")
+        axes.set_ylabel(label)
+        axes.set_title(f"{title}: {label}")
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend(fontsize=7, loc="best")
+        save(figure, name)
+
+    figure, axes = plt.subplots(figsize=(7.5, 4.2))
+    for mine in [ALWAYS, NONE]:
+        for peer in [NOOP] + PEERS:
+            points = [(c, median(workload, c, mine), median(workload, c, peer)) for c in cs]
+            points = [(c, a / b) for c, a, b in points if a and b]
+            if points:
+                style = "-" if mine == ALWAYS else ":"
+                axes.plot(*zip(*points), style, marker="o", label=f"{mine} ÷ {peer}")
+    axes.axhline(1.0, color="black", linewidth=0.8)
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xticks(cs, [str(c) for c in cs])
+    axes.set_xlabel("concurrency (calls in flight)")
+    axes.set_ylabel("throughput ratio (above 1: dedupd faster)")
+    axes.set_title(f"{title}: dedupd ÷ each peer")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=6, loc="best", ncol=2)
+    save(figure, f"{workload}-ratios.png")
+    return made
+
+
 lines = []
 out = lines.append
 now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -106,6 +173,9 @@ for workload, title, unit in [
 ]:
     out(f"## {title}: throughput ({unit})")
     out("")
+    throughput_plot, p99_plot, ratio_plot = plot(workload, title, unit)
+    out(f"![{title}: throughput against concurrency]({throughput_plot})")
+    out("")
     cs = concurrencies(workload)
     out("| target | " + " | ".join(f"c={c}" for c in cs) + " |")
     out("|---|" + "---:|" * len(cs))
@@ -113,6 +183,8 @@ for workload, title, unit in [
         out(f"| {name} | " + " | ".join(fmt_ops(median(workload, c, name)) for c in cs) + " |")
     out("")
     out(f"### Ratios (dedupd ÷ peer, {title.lower()})")
+    out("")
+    out(f"![{title}: dedupd's throughput ÷ each peer's]({ratio_plot})")
     out("")
     out("| dedupd | vs | " + " | ".join(f"c={c}" for c in cs) + " |")
     out("|---|---|" + "---:|" * len(cs))
@@ -125,6 +197,8 @@ for workload, title, unit in [
             )
     out("")
     out(f"### Latency ({title.lower()}), µs: p50 / p99 / p99.9")
+    out("")
+    out(f"![{title}: p99 latency against concurrency]({p99_plot})")
     out("")
     out("| target | " + " | ".join(f"c={c}" for c in cs) + " |")
     out("|---|" + "---:|" * len(cs))

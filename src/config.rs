@@ -28,6 +28,7 @@ use crate::{
         sled::{SledConfig, SyncMode},
         tiered::LocalTierConfig,
     },
+    telemetry::{ProcessEnvironment, TraceArgs, TraceSettings},
 };
 
 /// A clap error on one line: its message and the lines that complete it
@@ -196,6 +197,12 @@ pub struct ServeArgs {
     /// again. Without this flag dedupd refuses such a Redis.
     #[arg(long, env = "DEDUPD_ALLOW_REDIS_EVICTION")]
     pub allow_redis_eviction: bool,
+    /// Redis only: --store-url names seed nodes of a Redis Cluster
+    /// (`redis://host1:6379,host2:6379`), as a `redis+cluster://` or
+    /// `rediss+cluster://` URL does without this flag. Calls go to each
+    /// key's primary; MOVED, ASK and failovers are followed.
+    #[arg(long, env = "DEDUPD_STORE_CLUSTER")]
+    pub store_cluster: bool,
     /// Shared stores only: MiB of committed records this sidecar keeps in
     /// its local tier (in --data-dir/local-tier) to answer duplicates without
     /// asking the shared store; 0 turns the local tier off.
@@ -281,6 +288,9 @@ pub struct ServeArgs {
     /// The HTTP idempotency proxy (off unless --http-proxy-listen is set).
     #[command(flatten)]
     pub http_proxy: HttpProxyArgs,
+    /// OpenTelemetry traces (off unless an OTLP endpoint is set).
+    #[command(flatten)]
+    pub traces: TraceArgs,
 }
 
 /// `--http-proxy-*`: dedupd in front of an HTTP service, deduplicating
@@ -612,7 +622,7 @@ impl SharedBackend {
     pub fn check_url(&self, url: &str) -> Result<(), String> {
         match self {
             SharedBackend::Postgres(_) => postgres::check_url(url),
-            SharedBackend::Redis(_) => redis::check_url(url),
+            SharedBackend::Redis(config) => redis::check_url(url, config.cluster),
         }
     }
 
@@ -672,6 +682,8 @@ pub struct Settings {
     pub worker_threads: usize,
     /// The HTTP idempotency proxy's address and settings, when it is on.
     pub http_proxy: Option<(SocketAddr, ProxyConfig)>,
+    /// Where traces go, when they are on.
+    pub traces: Option<TraceSettings>,
 }
 
 fn parse_namespace_retention(text: &str) -> Result<(String, Duration), String> {
@@ -760,9 +772,9 @@ impl ServeArgs {
                     Duration::from_secs(10),
                 )?;
                 if self.store == StoreKind::Postgres
-                    && (self.store_replicas > 0 || self.allow_redis_eviction)
+                    && (self.store_replicas > 0 || self.allow_redis_eviction || self.store_cluster)
                 {
-                    return Err("--store-replicas and --allow-redis-eviction are for --store redis \
+                    return Err("--store-replicas, --store-cluster and --allow-redis-eviction are for --store redis \
                                 (PostgreSQL waits for its standbys itself: synchronous_standby_names)"
                         .into());
                 }
@@ -783,6 +795,7 @@ impl ServeArgs {
                         ca_pem: None,
                         replicas: self.store_replicas,
                         allow_eviction: self.allow_redis_eviction,
+                        cluster: self.store_cluster,
                     })
                 };
                 let max_age = check_duration_flag(
@@ -942,6 +955,7 @@ impl ServeArgs {
         self.check_exposure(&auth, tls.as_ref())?;
         let log_filter = tracing_subscriber::EnvFilter::try_new(&self.log)
             .map_err(|e| format!("--log {:?} is not a valid filter: {e}", self.log))?;
+        let traces = self.traces.validate(&ProcessEnvironment)?;
         let limits = Limits {
             default_lease_ttl,
             max_lease_ttl,
@@ -985,6 +999,7 @@ impl ServeArgs {
             log_filter,
             worker_threads: self.worker_threads,
             http_proxy,
+            traces,
         })
     }
 

@@ -1,8 +1,11 @@
 //! The engine: runs each validated request through the state machine on the
-//! store and waits for durability before answering. Handlers for every face
-//! (gRPC today) call only this.
+//! store and waits for durability before answering, and marks the call's
+//! span with the decision (`telemetry`). Handlers for every face (gRPC, the
+//! HTTP proxy) call only this.
 
 use std::{fmt, future::Future, sync::Arc};
+
+use tracing::Instrument;
 
 use crate::{
     clock::{Clock, UnixMillis},
@@ -14,6 +17,7 @@ use crate::{
     machine,
     metrics::Metrics,
     store::Store,
+    telemetry,
 };
 
 /// The deduplication engine over one store.
@@ -93,19 +97,24 @@ impl<S: Store> Engine<S> {
 
     /// Claim one key.
     pub async fn claim(&self, request: &ClaimRequest) -> Result<ClaimOutcome, Error> {
-        self.durably(request).await
+        telemetry::record_call(&request.key, self.store.kind());
+        let outcome = self.durably(request).await?;
+        telemetry::record_claim(&outcome);
+        Ok(outcome)
     }
 
     /// Claim many keys, in order, with one wait for durability.
     pub async fn claim_batch(&self, requests: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, Error> {
+        telemetry::record_batch(requests.len(), self.store.kind());
         self.in_order(requests).await
     }
 
     /// Commit one claim; a lost lease is an error.
     pub async fn commit(&self, request: &CommitRequest) -> Result<CommitOutcome, Error> {
-        self.durably(request)
-            .await?
-            .map_err(|LeaseLost| lease_lost(&request.key))
+        telemetry::record_call(&request.key, self.store.kind());
+        let outcome = self.durably(request).await?;
+        telemetry::record_commit(&outcome);
+        outcome.map_err(|LeaseLost| lease_lost(&request.key))
     }
 
     /// Commit many claims, in order, with one wait for durability; a lost
@@ -114,14 +123,16 @@ impl<S: Store> Engine<S> {
         &self,
         requests: &[CommitRequest],
     ) -> Result<Vec<Result<CommitOutcome, LeaseLost>>, Error> {
+        telemetry::record_batch(requests.len(), self.store.kind());
         self.in_order(requests).await
     }
 
     /// Release one claim; a lost lease is an error.
     pub async fn release(&self, request: &ReleaseRequest) -> Result<ReleaseOutcome, Error> {
-        self.durably(request)
-            .await?
-            .map_err(|LeaseLost| lease_lost(&request.key))
+        telemetry::record_call(&request.key, self.store.kind());
+        let outcome = self.durably(request).await?;
+        telemetry::record_release(&outcome);
+        outcome.map_err(|LeaseLost| lease_lost(&request.key))
     }
 
     /// Release many claims, in order, with one wait for durability.
@@ -129,60 +140,88 @@ impl<S: Store> Engine<S> {
         &self,
         requests: &[ReleaseRequest],
     ) -> Result<Vec<Result<ReleaseOutcome, LeaseLost>>, Error> {
+        telemetry::record_batch(requests.len(), self.store.kind());
         self.in_order(requests).await
     }
 
     /// Applies one request and waits until its change is durable.
     async fn durably<R: Step>(&self, request: &R) -> Result<R::Outcome, Error> {
-        let outcome = request.apply(self).await?;
-        self.store.durable().await?;
+        let outcome = request
+            .apply(self)
+            .instrument(telemetry::store_span(self.store.kind()))
+            .await?;
+        self.wait_durable().await?;
         Ok(outcome)
+    }
+
+    /// Waits until every change made so far is durable.
+    async fn wait_durable(&self) -> Result<(), Error> {
+        self.store
+            .durable()
+            .instrument(telemetry::durability_span())
+            .await
     }
 
     /// Applies `requests` one after the other (a batch's items apply in
     /// order), then waits once for durability: one disk sync for the batch.
     async fn in_order<R: Step>(&self, requests: &[R]) -> Result<Vec<R::Outcome>, Error> {
         let mut outcomes = Vec::with_capacity(requests.len());
+        let store_round_trips = telemetry::store_span(self.store.kind());
         for request in requests {
-            outcomes.push(request.apply(self).await?);
+            outcomes.push(
+                request
+                    .apply(self)
+                    .instrument(store_round_trips.clone())
+                    .await?,
+            );
         }
-        self.store.durable().await?;
+        drop(store_round_trips);
+        self.wait_durable().await?;
         Ok(outcomes)
     }
 
     /// Extend a claim's lease; returns the new expiry.
     pub async fn renew(&self, request: &RenewRequest) -> Result<UnixMillis, Error> {
+        telemetry::record_call(&request.key, self.store.kind());
         let now = self.decision_time()?;
         let outcome = self
             .store
             .update(&request.key, |current, _| {
                 Ok(machine::renew(current, request, now))
             })
+            .instrument(telemetry::store_span(self.store.kind()))
             .await?;
         if outcome.is_err() {
             self.count(&request.key, OutcomeKind::LeaseLost);
         }
-        self.store.durable().await?;
+        self.wait_durable().await?;
         outcome.map_err(|LeaseLost| lease_lost(&request.key))
     }
 
     /// The live record of `key`, if any.
     pub async fn lookup(&self, key: &Key) -> Result<Option<Record>, Error> {
+        telemetry::record_call(key, self.store.kind());
         let now = self.decision_time()?;
-        let record = self.store.get(key).await?;
+        let record = self
+            .store
+            .get(key)
+            .instrument(telemetry::store_span(self.store.kind()))
+            .await?;
         // What we read may be someone's not yet durable write.
-        self.store.durable().await?;
+        self.wait_durable().await?;
         Ok(machine::live(record.as_ref(), now).cloned())
     }
 
     /// Delete `key`; true if a live record existed.
     pub async fn forget(&self, key: &Key) -> Result<bool, Error> {
+        telemetry::record_call(key, self.store.kind());
         let now = self.decision_time()?;
         let existed = self
             .store
             .update(key, |current, _| Ok(machine::forget(current, now)))
+            .instrument(telemetry::store_span(self.store.kind()))
             .await?;
-        self.store.durable().await?;
+        self.wait_durable().await?;
         Ok(existed)
     }
 

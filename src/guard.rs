@@ -33,7 +33,7 @@ use tower::{
     util::BoxCloneSyncService, BoxError, Service, ServiceBuilder, ServiceExt,
 };
 
-use crate::{metrics::Metrics, proto::v1::claim_and_commit_server::SERVICE_NAME};
+use crate::{metrics::Metrics, proto::v1::claim_and_commit_server::SERVICE_NAME, telemetry};
 
 /// The methods of `dedup.v1.ClaimAndCommit`: the only `rpc` metric labels
 /// besides [`OTHER_RPC`]. A unit test checks the list against the proto.
@@ -254,6 +254,7 @@ where
         })
         .layer_fn(|inner| Refuse {
             inner,
+            metrics: Arc::clone(&metrics),
             limits: Limits {
                 limit,
                 timeout,
@@ -311,6 +312,9 @@ where
         Box::pin(async move {
             let answer = answer.await;
             metrics.rpc(rpc, started.elapsed());
+            if let Ok(response) = &answer {
+                telemetry::record_grpc_status(response.headers());
+            }
             answer
         })
     }
@@ -327,40 +331,61 @@ struct Limits {
 }
 
 impl Limits {
-    fn refusal(self, error: &BoxError) -> http::Response<Body> {
-        let status = if let Some(unread) = error.downcast_ref::<Unread>() {
+    /// The answer to a refused call, and the reason it is counted under
+    /// (`dedupd_refusals_total{reason}`).
+    fn refusal(self, error: &BoxError) -> (&'static str, http::Response<Body>) {
+        let (reason, status) = if let Some(unread) = error.downcast_ref::<Unread>() {
             match unread {
-                Unread::TooSlow => Status::deadline_exceeded(format!(
-                    "the request message did not arrive within {} (--request-read-timeout)",
-                    crate::api::human_duration(self.read_timeout)
-                )),
-                Unread::TooLarge => Status::out_of_range(format!(
-                    "request message too large: over {} bytes (--max-message-bytes)",
-                    self.max_message_bytes
-                )),
-                Unread::Broken(error) => {
-                    Status::cancelled(format!("the request stream broke: {error}"))
-                }
-                Unread::OverBudget => Status::resource_exhausted(format!(
-                    "overloaded: request messages in progress hold {} bytes; retry with backoff",
-                    self.read_budget_bytes
-                )),
+                Unread::TooSlow => (
+                    "read_timeout",
+                    Status::deadline_exceeded(format!(
+                        "the request message did not arrive within {} (--request-read-timeout)",
+                        crate::api::human_duration(self.read_timeout)
+                    )),
+                ),
+                Unread::TooLarge => (
+                    "too_large",
+                    Status::out_of_range(format!(
+                        "request message too large: over {} bytes (--max-message-bytes)",
+                        self.max_message_bytes
+                    )),
+                ),
+                Unread::Broken(error) => (
+                    "stream_broken",
+                    Status::cancelled(format!("the request stream broke: {error}")),
+                ),
+                Unread::OverBudget => (
+                    "read_budget",
+                    Status::resource_exhausted(format!(
+                        "overloaded: request messages in progress hold {} bytes; retry with backoff",
+                        self.read_budget_bytes
+                    )),
+                ),
             }
         } else if error.is::<tower::load_shed::error::Overloaded>() {
-            Status::resource_exhausted(format!(
-                "overloaded: {} calls in progress (--max-concurrent-requests); retry with backoff",
-                self.limit
-            ))
+            (
+                "overloaded",
+                Status::resource_exhausted(format!(
+                    "overloaded: {} calls in progress (--max-concurrent-requests); retry with backoff",
+                    self.limit
+                )),
+            )
         } else if error.is::<tower::timeout::error::Elapsed>() {
-            Status::unavailable(format!(
-                "no answer within {} (--request-timeout); the change may or may not have been applied: retry",
-                crate::api::human_duration(self.timeout)
-            ))
+            (
+                "request_timeout",
+                Status::unavailable(format!(
+                    "no answer within {} (--request-timeout); the change may or may not have been applied: retry",
+                    crate::api::human_duration(self.timeout)
+                )),
+            )
         } else {
             tracing::error!(%error, "guard stack failed");
-            Status::internal("internal error (logged by the sidecar)")
+            (
+                "internal",
+                Status::internal("internal error (logged by the sidecar)"),
+            )
         };
-        status.into_http()
+        (reason, status.into_http())
     }
 }
 
@@ -370,6 +395,7 @@ impl Limits {
 #[derive(Clone)]
 struct Refuse<S> {
     inner: S,
+    metrics: Arc<Metrics>,
     limits: Limits,
     /// A readiness error, answered to the next call instead of failing the
     /// connection.
@@ -397,12 +423,17 @@ where
     }
 
     fn call(&mut self, request: http::Request<Body>) -> AnswerFuture {
-        let limits = self.limits;
+        let (limits, metrics) = (self.limits, Arc::clone(&self.metrics));
+        let refuse = move |error: &BoxError| {
+            let (reason, answer) = limits.refusal(error);
+            metrics.refusal(reason);
+            answer
+        };
         if let Some(error) = self.not_ready.take() {
-            return Box::pin(std::future::ready(Ok(limits.refusal(&error))));
+            return Box::pin(std::future::ready(Ok(refuse(&error))));
         }
         let answer = self.inner.call(request);
-        Box::pin(async move { Ok(answer.await.unwrap_or_else(|error| limits.refusal(&error))) })
+        Box::pin(async move { Ok(answer.await.unwrap_or_else(|error| refuse(&error))) })
     }
 }
 

@@ -36,6 +36,8 @@
 //! - [`proxy`]: the HTTP idempotency proxy (`--http-proxy-listen`), a face
 //!   of its own on the same engine: the Idempotency-Key rules and the
 //!   server that forwards, commits and replays.
+//! - [`telemetry`]: OpenTelemetry traces: the spans, W3C propagation, OTLP
+//!   export through a queue that drops rather than waits.
 //! - `error`: the error type and its gRPC status mapping ([`Error`]).
 //! - [`proto`]: generated code.
 
@@ -59,6 +61,7 @@ pub mod proxy;
 pub mod server;
 mod service;
 pub mod store;
+pub mod telemetry;
 pub mod time_policy;
 
 pub use error::{Error, FieldViolation};

@@ -21,6 +21,7 @@ use dedupd::{
         tiered::{LocalTierConfig, Tiered},
         Store, StoreObserver,
     },
+    telemetry::TraceExport,
     time_policy::{StoreClock, TimeSource},
     GuardConfig, Listener, Listeners, Metrics, ServerConfig,
 };
@@ -177,13 +178,34 @@ fn serve(args: &ServeArgs) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    init_logging(settings.log_filter.clone(), settings.log_format);
-    server.connections.max_connections =
-        connections_within_file_limit(settings.connections.max_connections);
     let runtime = match runtime(settings.worker_threads) {
         Ok(runtime) => runtime,
         Err(code) => return code,
     };
+    // The OTLP exporter's channel and the export queue live on the runtime.
+    let traces = match &settings.traces {
+        None => None,
+        Some(traces) => {
+            let _runtime = runtime.enter();
+            match TraceExport::start(traces, Arc::clone(&server.metrics)) {
+                Ok(export) => Some(export),
+                Err(line) => {
+                    eprintln!("dedupd: invalid configuration: {line}");
+                    return ExitCode::from(EXIT_CONFIG);
+                }
+            }
+        }
+    };
+    init_logging(
+        settings.log_filter.clone(),
+        settings.log_format,
+        traces.as_ref(),
+    );
+    if let Some(traces) = &settings.traces {
+        tracing::info!(endpoint = %traces.endpoint, protocol = ?traces.protocol, sampler = ?traces.sampler, "exporting traces with OTLP");
+    }
+    server.connections.max_connections =
+        connections_within_file_limit(settings.connections.max_connections);
     let code = runtime.block_on(async move {
         let observer: Arc<dyn StoreObserver> = Arc::clone(&server.metrics) as _;
         match &store {
@@ -257,6 +279,11 @@ fn serve(args: &ServeArgs) -> ExitCode {
             }
         }
     });
+    if let Some(traces) = traces {
+        // The last calls' spans, within a bound: a collector that is down
+        // does not hold the exit up.
+        runtime.block_on(traces.finish(Duration::from_secs(5)));
+    }
     // A wedged store may hold a blocking thread forever: do not wait for it.
     runtime.shutdown_timeout(Duration::from_secs(1));
     code
@@ -349,15 +376,47 @@ fn connections_within_file_limit(wanted: usize) -> usize {
     }
 }
 
-fn init_logging(filter: tracing_subscriber::EnvFilter, format: LogFormat) {
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+/// Logs to stderr through `filter`; with `traces`, dedupd's spans also go
+/// to OpenTelemetry (each layer has its own filter, so the log filter does
+/// not decide what is traced, nor the other way round).
+fn init_logging(
+    filter: tracing_subscriber::EnvFilter,
+    format: LogFormat,
+    traces: Option<&TraceExport>,
+) {
+    use tracing_subscriber::{layer::SubscriberExt, util::SubscriberInitExt, Layer};
+    // `log` records (sled's) are built only up to what is logged: the trace
+    // layer's DEBUG spans must not turn on sled's debug records.
+    let log_level = match filter.max_level_hint() {
+        Some(level) if level == tracing_subscriber::filter::LevelFilter::OFF => {
+            log::LevelFilter::Off
+        }
+        Some(level) if level == tracing_subscriber::filter::LevelFilter::ERROR => {
+            log::LevelFilter::Error
+        }
+        Some(level) if level == tracing_subscriber::filter::LevelFilter::WARN => {
+            log::LevelFilter::Warn
+        }
+        Some(level) if level == tracing_subscriber::filter::LevelFilter::INFO => {
+            log::LevelFilter::Info
+        }
+        Some(level) if level == tracing_subscriber::filter::LevelFilter::DEBUG => {
+            log::LevelFilter::Debug
+        }
+        _ => log::LevelFilter::Trace,
+    };
+    let logs = tracing_subscriber::fmt::layer()
         .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().flatten_event(true).init(),
-    }
+    let logs = match format {
+        LogFormat::Text => logs.boxed(),
+        LogFormat::Json => logs.json().flatten_event(true).boxed(),
+    };
+    tracing_subscriber::registry()
+        .with(logs.with_filter(filter))
+        .with(traces.map(TraceExport::layer))
+        .init();
+    log::set_max_level(log_level);
 }
 
 /// `dedupd inject`: check the flags and the certificate (exit 64 if
@@ -374,7 +433,7 @@ fn inject(args: &InjectArgs) -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    init_logging(settings.log_filter.clone(), settings.log_format);
+    init_logging(settings.log_filter.clone(), settings.log_format, None);
     let runtime = match runtime(0) {
         Ok(runtime) => runtime,
         Err(code) => return code,

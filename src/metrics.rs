@@ -23,7 +23,9 @@ const OTHER_NAMESPACE: &str = "_other";
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OutcomeLabels {
-    namespace: String,
+    /// Not `namespace`: Prometheus (and the Operator's ServiceMonitor)
+    /// give every series the Kubernetes namespace under that name.
+    dedup_namespace: String,
     outcome: &'static str,
 }
 
@@ -35,6 +37,27 @@ struct LocalTierLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ProxyLabels {
     result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TraceDropLabels {
+    reason: &'static str,
+}
+
+/// Why a span was not exported: the queue was full, the export failed (or
+/// timed out), or it ended after shutdown.
+const TRACE_DROP_REASONS: [&str; 3] = ["queue_full", "export_failed", "shut_down"];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RefusalLabels {
+    reason: &'static str,
+}
+
+/// The local tier's state is a series only where there is a local tier
+/// (a family's member appears once set), so "0" always means "off".
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TierLabels {
+    tier: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -63,6 +86,14 @@ pub struct Metrics {
     local_tier: Family<LocalTierLabels, Counter>,
     proxy_requests: Family<ProxyLabels, Counter>,
     proxy_added_seconds: Histogram,
+    refusals: Family<RefusalLabels, Counter>,
+    serving: Gauge,
+    store_healthy: Gauge,
+    store_writable: Gauge,
+    store_full: Gauge,
+    local_tier_on: Family<TierLabels, Gauge>,
+    trace_spans_exported: Counter,
+    trace_spans_dropped: Family<TraceDropLabels, Counter>,
     namespaces: Mutex<HashSet<String>>,
 }
 
@@ -99,7 +130,7 @@ impl Metrics {
         let outcomes = Family::<OutcomeLabels, Counter>::default();
         registry.register(
             "outcomes",
-            "Answers by namespace and outcome (claimed, recovered, duplicate, in_progress, fingerprint_mismatch, stale, committed, lease_lost, released)",
+            "Answers by dedup namespace and outcome (claimed, recovered, duplicate, in_progress, fingerprint_mismatch, stale, committed, lease_lost, released)",
             outcomes.clone(),
         );
         let rpc_seconds = Family::<RpcLabels, Histogram, fn() -> Histogram>::new_with_constructor(
@@ -172,6 +203,73 @@ impl Metrics {
             "Time the HTTP proxy added to a keyed request, the upstream's own time excluded",
             proxy_added_seconds.clone(),
         );
+        // The series alerts watch exist from the start at 0, so their first
+        // increment is a rise `rate()` and `increase()` can see.
+        let refusals = Family::<RefusalLabels, Counter>::default();
+        for reason in [
+            "overloaded",
+            "read_budget",
+            "read_timeout",
+            "too_large",
+            "stream_broken",
+            "request_timeout",
+            "internal",
+        ] {
+            drop(refusals.get_or_create(&RefusalLabels { reason }));
+        }
+        drop(proxy_requests.get_or_create(&ProxyLabels {
+            result: "outcome_unknown",
+        }));
+        registry.register(
+            "refusals",
+            "Calls of the dedup service refused before it answered, by reason (overloaded, read_budget, read_timeout, too_large, stream_broken, request_timeout, internal)",
+            refusals.clone(),
+        );
+        let serving = Gauge::default();
+        registry.register(
+            "serving",
+            "1 while ready (/readyz 200): not draining, the store healthy and taking writes, a shared store's clock measured",
+            serving.clone(),
+        );
+        let store_healthy = Gauge::default();
+        registry.register(
+            "store_healthy",
+            "1 while the store works (/healthz 200); 0 after a failure that needs a restart",
+            store_healthy.clone(),
+        );
+        let store_writable = Gauge::default();
+        registry.register(
+            "store_writable",
+            "1 while the store takes writes (a shared store reachable, its clock measured, space left)",
+            store_writable.clone(),
+        );
+        let store_full = Gauge::default();
+        registry.register(
+            "store_full",
+            "1 while writes are refused for want of space (sled's disk reserve reached, Redis at maxmemory)",
+            store_full.clone(),
+        );
+        let local_tier_on = Family::<TierLabels, Gauge>::default();
+        registry.register(
+            "local_tier_on",
+            "1 while the local tier (tier=local) answers, its deletion feed connected; 0 while it is off; absent without a local tier",
+            local_tier_on.clone(),
+        );
+        let trace_spans_exported = Counter::default();
+        registry.register(
+            "trace_spans_exported",
+            "Spans the OTLP collector accepted (traces on: --otlp-endpoint or OTEL_EXPORTER_OTLP_ENDPOINT)",
+            trace_spans_exported.clone(),
+        );
+        let trace_spans_dropped = Family::<TraceDropLabels, Counter>::default();
+        for reason in TRACE_DROP_REASONS {
+            let _ = trace_spans_dropped.get_or_create(&TraceDropLabels { reason });
+        }
+        registry.register(
+            "trace_spans_dropped",
+            "Spans not exported, by reason (queue_full: the collector is slower than the calls; export_failed: it refused or did not answer; shut_down)",
+            trace_spans_dropped.clone(),
+        );
         Metrics {
             registry,
             outcomes,
@@ -187,6 +285,14 @@ impl Metrics {
             local_tier,
             proxy_requests,
             proxy_added_seconds,
+            refusals,
+            serving,
+            store_healthy,
+            store_writable,
+            store_full,
+            local_tier_on,
+            trace_spans_exported,
+            trace_spans_dropped,
             namespaces: Mutex::new(HashSet::new()),
         }
     }
@@ -221,7 +327,7 @@ impl Metrics {
         };
         self.outcomes
             .get_or_create(&OutcomeLabels {
-                namespace: namespace.to_owned(),
+                dedup_namespace: namespace.to_owned(),
                 outcome: outcome.as_str(),
             })
             .inc();
@@ -253,6 +359,47 @@ impl Metrics {
         }
     }
 
+    /// Counts spans the collector accepted.
+    pub fn trace_spans_exported(&self, spans: u64) {
+        self.trace_spans_exported.inc_by(spans);
+    }
+
+    /// Counts spans that were not exported (`reason` from a fixed list).
+    pub fn trace_spans_dropped(&self, reason: &'static str, spans: u64) {
+        self.trace_spans_dropped
+            .get_or_create(&TraceDropLabels { reason })
+            .inc_by(spans);
+    }
+
+    /// Counts one call refused before the dedup service answered it.
+    pub fn refusal(&self, reason: &'static str) {
+        self.refusals.get_or_create(&RefusalLabels { reason }).inc();
+    }
+
+    /// Sets the state gauges (read at scrape time, from what the probes
+    /// answer): ready, the store healthy, writable (or why not), and the
+    /// local tier on (`None`: there is none).
+    pub fn store_state(
+        &self,
+        serving: bool,
+        healthy: bool,
+        writable: Result<(), &crate::Error>,
+        local_tier_on: Option<bool>,
+    ) {
+        self.serving.set(i64::from(serving));
+        self.store_healthy.set(i64::from(healthy));
+        self.store_writable.set(i64::from(writable.is_ok()));
+        self.store_full.set(i64::from(matches!(
+            writable,
+            Err(crate::Error::DiskFull(_))
+        )));
+        if let Some(on) = local_tier_on {
+            self.local_tier_on
+                .get_or_create(&TierLabels { tier: "local" })
+                .set(i64::from(on));
+        }
+    }
+
     /// Sets the store-clock gauges (read at scrape time).
     pub fn store_clock(&self, report: crate::clock::ClockReport) {
         self.clock_offset.set(report.local_offset_seconds);
@@ -264,5 +411,102 @@ impl Metrics {
         let mut text = String::new();
         encode(&mut text, &self.registry).expect("writing to a String cannot fail");
         text
+    }
+}
+
+/// A `/metrics` answer: OpenMetrics for a scraper that asks for it
+/// (Prometheus does), the Prometheus text format for any other (curl,
+/// `promtool check metrics`, older agents).
+pub fn exposition(
+    request: &axum::http::HeaderMap,
+    openmetrics: String,
+) -> ([(axum::http::HeaderName, &'static str); 1], String) {
+    let content_type = axum::http::header::CONTENT_TYPE;
+    let asked_for_openmetrics = request
+        .get_all(axum::http::header::ACCEPT)
+        .iter()
+        .filter_map(|accept| accept.to_str().ok())
+        .any(|accept| accept.contains("application/openmetrics-text"));
+    if asked_for_openmetrics {
+        (
+            [(
+                content_type,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            openmetrics,
+        )
+    } else {
+        (
+            [(content_type, "text/plain; version=0.0.4; charset=utf-8")],
+            prometheus_text(&openmetrics),
+        )
+    }
+}
+
+/// The Prometheus text format (0.0.4) of an OpenMetrics text, for scrapers
+/// that do not ask for OpenMetrics (curl, `promtool check metrics`, older
+/// agents). The samples are the same lines; what differs is metadata: a
+/// counter's `# HELP` and `# TYPE` name its `_total` series, `unknown` is
+/// `untyped`, and `# UNIT` and `# EOF` do not exist.
+pub fn prometheus_text(openmetrics: &str) -> String {
+    let counters: HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|line| line.strip_prefix("# TYPE ")?.strip_suffix(" counter"))
+        .collect();
+    let mut text = String::with_capacity(openmetrics.len() + 8 * counters.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let metadata = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|kind| Some((kind, line.strip_prefix(kind)?)));
+        match metadata {
+            Some((kind, rest)) => {
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                let suffix = if counters.contains(name) {
+                    "_total"
+                } else {
+                    ""
+                };
+                let tail = if kind == "# TYPE " && tail == "unknown" {
+                    "untyped"
+                } else {
+                    tail
+                };
+                text.push_str(&format!("{kind}{name}{suffix} {tail}"));
+            }
+            None => text.push_str(line),
+        }
+        text.push('\n');
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_prometheus_text_names_counters_by_their_total_series() {
+        let openmetrics = "# HELP dedupd_outcomes Answers.\n\
+            # TYPE dedupd_outcomes counter\n\
+            dedupd_outcomes_total{outcome=\"claimed\"} 1\n\
+            # HELP dedupd_records Records.\n\
+            # TYPE dedupd_records gauge\n\
+            # UNIT dedupd_records records\n\
+            dedupd_records 3\n\
+            # TYPE odd unknown\n\
+            odd 1\n\
+            # EOF\n";
+        assert_eq!(
+            super::prometheus_text(openmetrics),
+            "# HELP dedupd_outcomes_total Answers.\n\
+             # TYPE dedupd_outcomes_total counter\n\
+             dedupd_outcomes_total{outcome=\"claimed\"} 1\n\
+             # HELP dedupd_records Records.\n\
+             # TYPE dedupd_records gauge\n\
+             dedupd_records 3\n\
+             # TYPE odd untyped\n\
+             odd 1\n"
+        );
     }
 }

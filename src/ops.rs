@@ -13,7 +13,11 @@ use std::{
 };
 
 use axum::{
-    extract::State, http::header, http::StatusCode, response::IntoResponse, routing::get, Router,
+    extract::State,
+    http::{HeaderMap, StatusCode},
+    response::IntoResponse,
+    routing::get,
+    Router,
 };
 use tokio::net::TcpListener;
 
@@ -50,20 +54,24 @@ pub async fn serve<S: Store>(
         .await
 }
 
-async fn metrics<S: Store>(State(state): State<OpsState<S>>) -> impl IntoResponse {
+async fn metrics<S: Store>(
+    State(state): State<OpsState<S>>,
+    request: HeaderMap,
+) -> impl IntoResponse {
     let stats = state.engine.store().stats().await;
     let metrics = state.engine.metrics();
     metrics.store_size(stats.records, stats.disk_bytes);
     if let Some(report) = state.engine.clock().report() {
         metrics.store_clock(report);
     }
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        metrics.render(),
-    )
+    let writable = state.engine.writable();
+    metrics.store_state(
+        state.ready.load(Ordering::SeqCst) && writable.is_ok(),
+        state.engine.store().health().is_ok(),
+        writable.as_ref().map(|_| ()),
+        stats.local_tier_on,
+    );
+    crate::metrics::exposition(&request, metrics.render())
 }
 
 async fn healthz<S: Store>(State(state): State<OpsState<S>>) -> impl IntoResponse {

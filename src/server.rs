@@ -282,7 +282,7 @@ pub async fn run<S: Store>(
             _ => builder,
         };
         let router = builder
-            .trace_fn(|request| tracing::debug_span!("rpc", path = %request.uri().path()))
+            .trace_fn(crate::telemetry::grpc_call_span)
             .add_service(health_service.clone())
             .add_service(reflection_v1.clone())
             .add_service(reflection_v1alpha.clone())

@@ -733,14 +733,7 @@ async fn request_messages_share_one_read_budget() {
     let (h2, connection) = h2::client::handshake(tcp).await.unwrap();
     let driver = tokio::spawn(connection);
     let mut h2 = h2.ready().await.unwrap();
-    let request = http::Request::post(format!(
-        "http://{}/dedup.v1.ClaimAndCommit/Claim",
-        server.addr
-    ))
-    .header("content-type", "application/grpc")
-    .header("te", "trailers")
-    .body(())
-    .unwrap();
+    let request = grpc_request_head(server.addr, "Claim");
     let (_response, mut stalled) = h2.send_request(request, false).unwrap();
     let mut partial = vec![0u8];
     partial.extend_from_slice(&(1000u32 << 10).to_be_bytes());

@@ -350,7 +350,28 @@ fn bad_configuration_exits_64_with_one_line_before_touching_anything() {
                 "postgres://app:s3cret@db/x",
             ],
             vec![],
-            "not a redis:// or rediss://",
+            "is not a redis://, rediss://, redis+cluster:// or rediss+cluster:// URL",
+        ),
+        (
+            vec![
+                "--store",
+                "redis",
+                "--store-url",
+                "redis://:s3cret@cache1:6379,cache2:6379",
+            ],
+            vec![],
+            "redis+cluster://",
+        ),
+        (
+            vec![
+                "--store",
+                "postgres",
+                "--store-url",
+                "postgres://app@db/x",
+                "--store-cluster",
+            ],
+            vec![],
+            "are for --store redis",
         ),
         (
             vec![

@@ -36,8 +36,16 @@ async fn stop<S: Store + TestSpace>(server: TestServer<S>) {
 }
 
 async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let (status, _, body) = http_exchange(addr, path, "").await;
+    (status, body)
+}
+
+/// A GET with more header lines (each ending in `\r\n`): the status, the
+/// head (lowercased) and the body.
+async fn http_exchange(addr: SocketAddr, path: &str, headers: &str) -> (u16, String, String) {
     let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let request = format!("GET {path} HTTP/1.1\r\nHost: dedupd\r\nConnection: close\r\n\r\n");
+    let request =
+        format!("GET {path} HTTP/1.1\r\nHost: dedupd\r\nConnection: close\r\n{headers}\r\n");
     stream.write_all(request.as_bytes()).await.unwrap();
     let mut response = String::new();
     stream.read_to_string(&mut response).await.unwrap();
@@ -46,11 +54,8 @@ async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
         .nth(1)
         .and_then(|code| code.parse().ok())
         .expect("status line");
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, body)| body.to_owned())
-        .unwrap_or_default();
-    (status, body)
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    (status, head.to_ascii_lowercase(), body.to_owned())
 }
 
 /// `name{labels} value` lines of an OpenMetrics text, keyed by `name{labels}`.
@@ -110,27 +115,27 @@ async fn metrics_count_real_calls_and_probes_answer() {
             .unwrap_or_else(|| panic!("{series} missing from:\n{text}"))
     };
     assert_eq!(
-        get(r#"dedupd_outcomes_total{namespace="default",outcome="claimed"}"#),
+        get(r#"dedupd_outcomes_total{dedup_namespace="default",outcome="claimed"}"#),
         1.0
     );
     assert_eq!(
-        get(r#"dedupd_outcomes_total{namespace="default",outcome="in_progress"}"#),
+        get(r#"dedupd_outcomes_total{dedup_namespace="default",outcome="in_progress"}"#),
         1.0
     );
     assert_eq!(
-        get(r#"dedupd_outcomes_total{namespace="default",outcome="committed"}"#),
+        get(r#"dedupd_outcomes_total{dedup_namespace="default",outcome="committed"}"#),
         1.0
     );
     assert_eq!(
-        get(r#"dedupd_outcomes_total{namespace="default",outcome="duplicate"}"#),
+        get(r#"dedupd_outcomes_total{dedup_namespace="default",outcome="duplicate"}"#),
         2.0
     );
     assert_eq!(
-        get(r#"dedupd_outcomes_total{namespace="billing",outcome="claimed"}"#),
+        get(r#"dedupd_outcomes_total{dedup_namespace="billing",outcome="claimed"}"#),
         1.0
     );
     assert_eq!(
-        get(r#"dedupd_outcomes_total{namespace="billing",outcome="released"}"#),
+        get(r#"dedupd_outcomes_total{dedup_namespace="billing",outcome="released"}"#),
         1.0
     );
     assert_eq!(
@@ -510,16 +515,7 @@ async fn a_connection_that_stalls_its_calls_holds_no_admission_slot() {
     .expect("the server advertises MAX_CONCURRENT_STREAMS");
     tokio::spawn(connection);
 
-    let call = |method: &str| {
-        http::Request::post(format!(
-            "http://{}/dedup.v1.ClaimAndCommit/{method}",
-            server.addr
-        ))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(())
-        .unwrap()
-    };
+    let call = |method: &str| grpc_request_head(server.addr, method);
     let mut stalled = Vec::new();
     for _ in 1..STREAMS {
         let mut ready = send.clone().ready().await.unwrap();
@@ -563,6 +559,102 @@ async fn a_connection_that_stalls_its_calls_holds_no_admission_slot() {
             .and_then(|code| code.to_str().ok()),
         Some("4"),
         "DEADLINE_EXCEEDED: {response:?}"
+    );
+    stop(server).await;
+}
+
+/// Prometheus asks for OpenMetrics and gets it; anything else (curl,
+/// promtool) gets the Prometheus text format, with the same samples and
+/// each counter's metadata on its `_total` series.
+#[tokio::test]
+async fn metrics_speak_openmetrics_to_who_asks_and_the_text_format_to_others() {
+    let server = start(|_| {}).await;
+    let mut client = ClaimAndCommitClient::new(channel(&server.addr.to_string()).await.unwrap());
+    claim(&mut client, claim_request("fmt-1")).await;
+    let ops = server.ops.unwrap();
+    let prometheus_accept = "Accept: application/openmetrics-text;version=1.0.0,\
+        application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1\r\n";
+    let (status, head, openmetrics) = http_exchange(ops, "/metrics", prometheus_accept).await;
+    assert_eq!(status, 200);
+    assert!(
+        head.contains("content-type: application/openmetrics-text"),
+        "{head}"
+    );
+    assert!(openmetrics.ends_with("# EOF\n"), "{openmetrics}");
+    assert!(openmetrics.contains("# TYPE dedupd_outcomes counter\n"));
+
+    let (status, head, text) = http_exchange(ops, "/metrics", "").await;
+    assert_eq!(status, 200);
+    assert!(
+        head.contains("content-type: text/plain; version=0.0.4"),
+        "{head}"
+    );
+    assert!(!text.contains("# EOF"), "{text}");
+    assert!(
+        text.contains("# TYPE dedupd_outcomes_total counter\n"),
+        "{text}"
+    );
+    assert_eq!(
+        samples(&text).get(r#"dedupd_outcomes_total{dedup_namespace="default",outcome="claimed"}"#),
+        Some(&1.0)
+    );
+    server.stop().await.unwrap();
+}
+
+/// What the alerts watch: the probes' state as gauges, and every call the
+/// guard refused counted by its reason.
+#[tokio::test]
+async fn the_state_and_refusals_are_metrics() {
+    let server = start(|config| {
+        config.guard.request_read_timeout = Duration::from_millis(200);
+    })
+    .await;
+    let ops = server.ops.unwrap();
+    let (_, text) = http_get(ops, "/metrics").await;
+    let metrics = samples(&text);
+    for (series, value) in [
+        ("dedupd_serving", 1.0),
+        ("dedupd_store_healthy", 1.0),
+        ("dedupd_store_writable", 1.0),
+        ("dedupd_store_full", 0.0),
+    ] {
+        assert_eq!(metrics.get(series), Some(&value), "{series} in:\n{text}");
+    }
+    // A shared store has a local tier in front (on once its feed is up);
+    // sled has none, so no series.
+    let shared = matches!(
+        std::env::var("DEDUPD_TEST_STORE").as_deref(),
+        Ok("postgres" | "redis" | "redis-cluster")
+    );
+    assert_eq!(
+        text.contains(r#"dedupd_local_tier_on{tier="local"}"#),
+        shared,
+        "{text}"
+    );
+
+    // A call whose message never comes is refused after the read timeout.
+    let tcp = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    let (send, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    let mut ready = send.ready().await.unwrap();
+    let call = grpc_request_head(server.addr, "Claim");
+    let (response, _message) = ready.send_request(call, false).unwrap();
+    let response = tokio::time::timeout(Duration::from_secs(5), response)
+        .await
+        .expect("the stalled call is answered")
+        .unwrap();
+    assert_eq!(
+        response
+            .headers()
+            .get("grpc-status")
+            .map(|code| code.as_bytes()),
+        Some(&b"4"[..])
+    );
+    let (_, text) = http_get(ops, "/metrics").await;
+    assert_eq!(
+        samples(&text).get(r#"dedupd_refusals_total{reason="read_timeout"}"#),
+        Some(&1.0),
+        "{text}"
     );
     stop(server).await;
 }

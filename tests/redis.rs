@@ -12,7 +12,7 @@ use common::{redis, shared, *};
 use dedupd::{
     clock::Clock,
     proto::v1 as pb,
-    store::{redis::RedisStore, tiered::Tiered},
+    store::{redis::RedisStore, tiered::Tiered, Store},
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -180,8 +180,9 @@ async fn an_unreachable_redis_is_unavailable_and_recovers_by_itself() {
 }
 
 /// What the store leaves in Redis: one hash per record under the prefix,
-/// expiring when its retention ends, nothing else but ordering marks; a
-/// Forget removes the record's key.
+/// expiring when its retention ends, nothing else but ordering marks (and,
+/// fenced on a cluster, witness keys that expire by themselves); a Forget
+/// removes the record's key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_are_one_expiring_hash_each() {
     if !redis::available() {
@@ -220,7 +221,10 @@ async fn records_are_one_expiring_hash_each() {
         .unwrap();
     // Lease (30 s) plus retention (1 h), by the sidecar's clock.
     assert!((3_629_000..=3_630_000).contains(&ttl), "{ttl}");
-    assert_eq!(redis::keys(prefix).await, vec![key.clone()]);
+    assert_eq!(
+        records_and_marks(prefix, &mut connection).await,
+        vec![key.clone()]
+    );
     client
         .forget(pb::ForgetRequest {
             namespace: String::new(),
@@ -228,8 +232,37 @@ async fn records_are_one_expiring_hash_each() {
         })
         .await
         .unwrap();
-    assert!(redis::keys(prefix).await.is_empty());
+    assert!(records_and_marks(prefix, &mut connection).await.is_empty());
     server.stop().await.unwrap();
+}
+
+/// The keys under `prefix` but fence and witness keys, which exist only
+/// with `--store-replicas`, each expiring within two store timeouts and
+/// 10 s.
+async fn records_and_marks(
+    prefix: &str,
+    connection: &mut dedupd::store::redis::Connection,
+) -> Vec<String> {
+    let (witnesses, others): (Vec<String>, Vec<String>) = redis::keys(prefix)
+        .await
+        .into_iter()
+        .partition(|key| key.contains(":fence:"));
+    if redis::replicas() == 0 {
+        assert_eq!(witnesses, Vec::<String>::new(), "fence keys without fences");
+    }
+    for witness in witnesses {
+        let ttl: i64 = ::redis::cmd("PTTL")
+            .arg(&witness)
+            .query_async(connection)
+            .await
+            .unwrap();
+        // -2: expired since it was listed.
+        assert!(
+            ttl == -2 || (1..=20_000).contains(&ttl),
+            "{witness} lives {ttl} ms"
+        );
+    }
+    others
 }
 
 /// `rediss://` with rustls against a redis-server of the test's own
@@ -327,5 +360,91 @@ fn tls_config() -> dedupd::store::redis::RedisConfig {
         ca_pem: None,
         replicas: 0,
         allow_eviction: false,
+        cluster: false,
     }
+}
+
+/// Redis at its `maxmemory` under `noeviction` refuses every write: the
+/// store is full — `RESOURCE_EXHAUSTED`, as on a full disk — not a fault
+/// of its own; a claim that needs no write (a DUPLICATE) still answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_at_its_maxmemory_is_full() {
+    let redis_server = match dedupd_testkit::services::start_redis(&[]) {
+        Ok(Some(server)) => server,
+        Ok(None) => {
+            return dedupd_testkit::skip_for_store(
+                "no redis-server binary to start one of the test's own (install redis-server)",
+            )
+        }
+        Err(error) => panic!("a redis-server of the test's own: {error}"),
+    };
+    let clock: Arc<dyn Clock> = Arc::new(dedupd::clock::ManualClock::new(START));
+    let store = RedisStore::new(
+        &dedupd::store::redis::RedisConfig {
+            url: redis_server.url.clone(),
+            ..tls_config()
+        },
+        clock,
+    )
+    .unwrap();
+    assert_eq!(store.eviction_refusal().await.unwrap(), None);
+    let sidecar = TestServer::builder()
+        .start_with_store(Arc::new(store.clone()))
+        .await;
+    let mut client = sidecar.client().await;
+    claim_and_commit(&mut client, "before-full", b"done".to_vec())
+        .await
+        .unwrap();
+
+    // Full: Redis's memory is past a maxmemory of 1 byte.
+    let mut admin = ::redis::Client::open(redis_server.url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let () = ::redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg(1)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let refused = client
+        .claim(claim_request("while-full"))
+        .await
+        .expect_err("nothing can be written");
+    assert_eq!(
+        refused.code(),
+        tonic::Code::ResourceExhausted,
+        "{refused:?}"
+    );
+    // Not ready while full (as sled at its disk reserve): store_full = 1.
+    assert!(
+        matches!(store.writable(), Err(dedupd::Error::DiskFull(_))),
+        "{:?}",
+        store.writable()
+    );
+    assert_eq!(
+        outcome(&claim(&mut client, claim_request("before-full")).await),
+        pb::ClaimOutcome::Duplicate
+    );
+
+    let () = ::redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg(0)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    // The next reading of INFO memory (every 5 s) sees the room.
+    assert_eq!(store.eviction_refusal().await.unwrap(), None);
+    assert!(store.writable().is_ok());
+    assert_eq!(
+        outcome(&claim(&mut client, claim_request("while-full")).await),
+        pb::ClaimOutcome::Claimed
+    );
+    sidecar.stop().await.unwrap();
+    tokio::task::spawn_blocking(move || drop(redis_server))
+        .await
+        .unwrap();
 }

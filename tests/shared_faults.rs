@@ -22,7 +22,6 @@ use common::{
     NOT_SERVING, SERVING,
 };
 use dedupd::proto::v1 as pb;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// A space of its own on one of the machine's shared stores.
 enum Space {
@@ -135,20 +134,6 @@ fn claim_for(id: &str, lease: i64, retention: i64) -> pb::ClaimRequest {
     }
 }
 
-/// One sample of the sidecar's `/metrics`.
-async fn metric(sidecar: &Sidecar, name: &str) -> Option<f64> {
-    let ops: SocketAddr = sidecar.ready["metrics"].as_str()?.parse().ok()?;
-    let mut stream = tokio::net::TcpStream::connect(ops).await.ok()?;
-    let request = "GET /metrics HTTP/1.1\r\nHost: dedupd\r\nConnection: close\r\n\r\n";
-    stream.write_all(request.as_bytes()).await.ok()?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.ok()?;
-    response
-        .lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
-        .and_then(|value| value.trim().parse().ok())
-}
-
 /// Two sidecars over one store, the second one's wall clock 40 s ahead (then
 /// stepped to 40 s behind while running): more than a lease. A lease granted
 /// through either is held through the other, a retention committed through
@@ -180,7 +165,9 @@ async fn clocks_that_disagree_change_nothing(space: Space) {
 
     // The skew is real: each sidecar measures its own clock against the
     // store's.
-    let offset = |sidecar| metric(sidecar, "dedupd_store_clock_offset_seconds");
+    async fn offset(sidecar: &Sidecar) -> Option<f64> {
+        sidecar.metric("dedupd_store_clock_offset_seconds").await
+    }
     let ahead = offset(&b).await.expect("B reports its clock offset");
     assert!((38.0..42.0).contains(&ahead), "B is {ahead} s ahead");
     let level = offset(&a).await.expect("A reports its clock offset");

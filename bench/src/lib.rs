@@ -6,11 +6,13 @@
 //! - [`load`]: drives a workload against a target and reports figures.
 //! - [`target`]: the targets (dedupd, the no-op server, Redis, PostgreSQL).
 //! - [`noop`]: the dedup API answered without a store.
+//! - [`otlp_sink`]: an OTLP/gRPC collector that counts spans.
 //! - [`tier`]: the local tier's DUPLICATE against Redis's, without gRPC.
 //! - [`upstream`]: a trivial HTTP service to put the proxy in front of.
 
 pub mod load;
 pub mod noop;
+pub mod otlp_sink;
 pub mod target;
 pub mod tier;
 pub mod upstream;

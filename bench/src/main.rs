@@ -4,7 +4,7 @@
 use std::{future::Future, io::IsTerminal, net::SocketAddr, process::ExitCode};
 
 use clap::{Args, Parser, Subcommand};
-use dedupd_bench::{load, noop, tier, upstream};
+use dedupd_bench::{load, noop, otlp_sink, tier, upstream};
 use tokio::net::TcpListener;
 
 /// Load generator for dedupd and the obvious alternatives.
@@ -24,6 +24,9 @@ enum Command {
     /// Serve a trivial HTTP service (201 to everything, GET /calls counts):
     /// what the HTTP proxy is measured in front of.
     HttpUpstream(HttpUpstreamArgs),
+    /// Accept OTLP/gRPC spans and count them: a collector for the trace
+    /// export benchmark.
+    OtlpSink(ServerArgs),
     /// Time DUPLICATE answers from the local tier and from Redis alone,
     /// through the engine without gRPC.
     Tier(tier::TierArgs),
@@ -74,6 +77,7 @@ fn main() -> ExitCode {
             Err(code) => code,
         },
         Command::NoopServer(args) => serve_until_interrupted(&args, "no-op server", noop::serve),
+        Command::OtlpSink(args) => serve_until_interrupted(&args, "OTLP sink", otlp_sink::serve),
         Command::HttpUpstream(args) => {
             let work = args.work.into();
             serve_until_interrupted(&args.server, "HTTP upstream", |listener, shutdown| {

@@ -21,7 +21,8 @@ pub enum Target {
     Dedupd(String),
     /// `noop://HOST:PORT`: `dedupd-bench noop-server`.
     Noop(String),
-    /// `redis://…`: SET NX PX, then SET PX.
+    /// `redis://…` (or `redis+cluster://h1:p1,h2:p2` for a Redis Cluster,
+    /// each command sent to its key's primary): SET NX PX, then SET PX.
     Redis(String),
     /// `postgres://…`: INSERT … ON CONFLICT DO NOTHING, then UPDATE.
     Postgres(String),
@@ -37,7 +38,7 @@ impl FromStr for Target {
         match scheme {
             "dedupd" => Ok(Target::Dedupd(rest.to_owned())),
             "noop" => Ok(Target::Noop(rest.to_owned())),
-            "redis" => Ok(Target::Redis(url.to_owned())),
+            "redis" | "redis+cluster" => Ok(Target::Redis(url.to_owned())),
             "postgres" | "postgresql" => Ok(Target::Postgres(url.to_owned())),
             other => Err(format!(
                 "unknown target scheme {other:?} (dedupd, noop, redis or postgres)"
@@ -99,8 +100,9 @@ impl Outcome {
 pub enum Connection {
     /// dedupd or the no-op server.
     Grpc(ClaimAndCommitClient<Channel>),
-    /// Redis.
-    Redis(redis::aio::MultiplexedConnection),
+    /// Redis: one primary, or a cluster (the transport dedupd's store uses;
+    /// the commands are the peer's own).
+    Redis(dedupd::store::redis::Connection),
     /// PostgreSQL, with its prepared statements.
     Postgres(Arc<PgConnection>),
 }
@@ -154,14 +156,24 @@ impl Target {
                             .max_encoding_message_size(64 << 20),
                     )
                 }
+                Target::Redis(url) if dedupd::store::redis::is_cluster_url(url) => {
+                    let nodes = dedupd::store::redis::nodes(url, true)?;
+                    // redis-rs's defaults, as for one primary: what an
+                    // application writing this by hand gets.
+                    let cluster = redis::cluster::ClusterClientBuilder::new(nodes)
+                        .build()
+                        .map_err(failed)?;
+                    Connection::Redis(dedupd::store::redis::Connection::Cluster(
+                        cluster.get_async_connection().await.map_err(failed)?,
+                    ))
+                }
                 Target::Redis(url) => {
                     let client = redis::Client::open(url.as_str()).map_err(failed)?;
-                    Connection::Redis(
-                        client
-                            .get_multiplexed_async_connection()
+                    Connection::Redis(dedupd::store::redis::Connection::Primary(
+                        redis::aio::ConnectionManager::new(client)
                             .await
                             .map_err(failed)?,
-                    )
+                    ))
                 }
                 Target::Postgres(url) => Connection::Postgres(Arc::new(pg_connect(url).await?)),
             });

@@ -54,6 +54,7 @@ async fn compare(args: &TierArgs) -> Result<(), String> {
         ca_pem: None,
         replicas: 0,
         allow_eviction: false,
+        cluster: false,
     };
     let shared = Arc::new(RedisStore::new(&config, Arc::clone(&clock)).map_err(|e| e.to_string())?);
     shared.ping().await.map_err(|e| e.to_string())?;

@@ -6,12 +6,14 @@
 //! - [`checker`]: the linearizability checker of such histories against
 //!   protocol §2's state machine.
 //! - [`runner`]: records histories against the real binary, with SIGKILLs.
+//! - [`failover`]: a Redis Cluster primary SIGKILLed and failed over.
 //! - [`sidecar`]: the binary as a child process, and its `/proc` figures.
 //! - [`h2raw`]: HTTP/2 frames by hand, for clients that misbehave.
 //! - [`hostile`]: hostile clients against a well-behaved one's latency.
 //! - [`soak`]: long mixed load with churn, sampled, then checked.
 
 pub mod checker;
+pub mod failover;
 pub mod h2raw;
 pub mod history;
 pub mod hostile;

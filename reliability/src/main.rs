@@ -113,9 +113,20 @@ struct LincheckArgs {
     /// PostgreSQL URL (the store's schema is made fresh and dropped after).
     #[arg(long, default_value = "postgres://postgres@127.0.0.1:5432/test")]
     postgres_url: String,
-    /// Redis URL (keys go under a fresh prefix).
+    /// Redis URL (keys go under a fresh prefix); `redis+cluster://h1:p1,…`
+    /// for a Redis Cluster.
     #[arg(long, default_value = "redis://127.0.0.1:6379/0")]
     redis_url: String,
+    /// Redis: the sidecars' --store-replicas (each answer waits for that
+    /// many replicas of the primaries it touched).
+    #[arg(long, default_value_t = 0)]
+    store_replicas: u32,
+    /// Redis Cluster: primaries to SIGKILL and fail over during the run
+    /// (its replica promoted, the old primary started again as a replica);
+    /// the nodes must run on this machine, redis-cli and redis-server on
+    /// PATH.
+    #[arg(long, default_value_t = 0)]
+    cluster_failovers: usize,
     /// Concurrent clients.
     #[arg(long, default_value_t = 16)]
     clients: usize,
@@ -402,8 +413,28 @@ async fn lincheck(mut args: LincheckArgs) -> ExitCode {
             args.redis_url.clone(),
             "--store-schema".into(),
             scope.clone(),
+            "--store-replicas".into(),
+            args.store_replicas.to_string(),
         ],
     };
+    let cluster_seed = args
+        .redis_url
+        .strip_prefix("redis+cluster://")
+        .and_then(|hosts| hosts.split(',').next())
+        .map(|seed| seed.trim_end_matches('/').to_owned());
+    if args.cluster_failovers > 0
+        && (cluster_seed.is_none() || !matches!(args.store, StoreKind::Redis))
+    {
+        eprintln!("dedupd-reliability: --cluster-failovers needs --store redis and a redis+cluster:// --redis-url");
+        return ExitCode::FAILURE;
+    }
+    if args.cluster_failovers > 0 {
+        // As the README asks: a store call shorter than the cluster's
+        // failover detection (cluster-node-timeout, 2 s in .ci/redis-cluster),
+        // so a call that meets a failover is answered UNAVAILABLE well within
+        // the clients' 5 s, not left to their deadline.
+        store_flags.extend(["--store-timeout".to_owned(), "1500ms".to_owned()]);
+    }
     store_flags.extend(["--sync".to_owned(), args.sync.clone()]);
     let clock_tolerance_ms = match args.store {
         StoreKind::Sled => 0,
@@ -430,6 +461,9 @@ async fn lincheck(mut args: LincheckArgs) -> ExitCode {
         seed,
         clock_skews: args.clock_skews.clone(),
         libfaketime: Some(args.libfaketime.clone()),
+        cluster_failovers: cluster_seed
+            .filter(|_| args.cluster_failovers > 0)
+            .map(|seed| (seed, args.cluster_failovers)),
     };
     let run = runner::run(config).await;
     let _ = std::fs::remove_dir_all(&data);
@@ -461,6 +495,13 @@ async fn lincheck(mut args: LincheckArgs) -> ExitCode {
         "committed": run.committed(),
         "claimed": run.claimed(),
         "kills": run.kills,
+        "store_replicas": args.store_replicas,
+        "failovers": run.failovers.iter().map(|failover| serde_json::json!({
+            "killed": failover.killed,
+            "promoted": failover.promoted,
+            "promotion_ms": failover.promotion.as_millis() as u64,
+            "settled_ms": failover.settled.as_millis() as u64,
+        })).collect::<Vec<_>>(),
         "downtime_ms": run.downtime.as_millis() as u64,
         "errors_in_kill_windows": run.errors.len() - errors_outside.len(),
         "errors_outside_kill_windows": errors_outside.len(),
@@ -489,6 +530,14 @@ async fn lincheck(mut args: LincheckArgs) -> ExitCode {
             "dedupd-reliability: … and {} more errors outside the kill windows",
             errors_outside.len() - 20
         );
+    }
+    if run.failovers.len() != args.cluster_failovers {
+        eprintln!(
+            "dedupd-reliability: {} of {} failovers done",
+            run.failovers.len(),
+            args.cluster_failovers
+        );
+        failed = true;
     }
     if report.operations < MIN_OPERATIONS || run.kills != args.kills {
         eprintln!(
@@ -543,6 +592,10 @@ fn drop_shared_records(args: &LincheckArgs, scope: &str) {
             .args([args.postgres_url.as_str(), "-qc"])
             .arg(format!("DROP SCHEMA IF EXISTS {scope} CASCADE"))
             .output(),
+        // A cluster's keys are in many slots, which one script may not
+        // touch together: they expire by themselves (the records at the
+        // end of their retention, the fence keys 10 s after use).
+        StoreKind::Redis if args.redis_url.starts_with("redis+cluster://") => return,
         StoreKind::Redis => std::process::Command::new("redis-cli")
             .args(["-u", args.redis_url.as_str(), "EVAL"])
             .arg("for _, key in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('DEL', key) end")

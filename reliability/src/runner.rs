@@ -98,6 +98,10 @@ pub struct RunConfig {
     pub clock_skews: Vec<String>,
     /// libfaketime's `libfaketimeMT.so.1`, for `clock_skews`.
     pub libfaketime: Option<PathBuf>,
+    /// A Redis Cluster node (`host:port`) and how many of its primaries to
+    /// fail over during the run ([`crate::failover`]), spaced between the
+    /// sidecars' SIGKILLs.
+    pub cluster_failovers: Option<(String, usize)>,
 }
 
 /// A recorded run.
@@ -116,6 +120,10 @@ pub struct Run {
     pub kill_windows: Vec<(u64, u64)>,
     /// Every INTERNAL, UNKNOWN or CANCELLED answer, in or out of a window.
     pub errors: Vec<CallError>,
+    /// The store's primaries failed over (a cluster's), in order. Unlike a
+    /// SIGKILL of the sidecar, a failover opens no window for errors: the
+    /// sidecar must answer UNAVAILABLE meanwhile, never INTERNAL.
+    pub failovers: Vec<crate::failover::Failover>,
 }
 
 impl Run {
@@ -328,6 +336,20 @@ pub async fn run(config: RunConfig) -> Result<Run, String> {
             Ok::<(), String>(())
         });
     }
+    let failovers = config.cluster_failovers.clone().map(|(seed, count)| {
+        let duration = config.duration;
+        tokio::spawn(async move {
+            let mut done = Vec::with_capacity(count);
+            for failover in 1..=count {
+                let at = started + duration.mul_f64((failover as f64 - 0.5) / (count + 1) as f64);
+                tokio::time::sleep_until(at.into()).await;
+                done.push(
+                    crate::failover::fail_over_a_primary(&seed, Duration::from_secs(60)).await?,
+                );
+            }
+            Ok::<_, String>(done)
+        })
+    });
     let mut kills = 0;
     let mut downtime = Duration::ZERO;
     let mut kill_windows = Vec::new();
@@ -355,6 +377,12 @@ pub async fn run(config: RunConfig) -> Result<Run, String> {
         result.map_err(|e| format!("a client panicked: {e}"))??;
     }
     let elapsed = started.elapsed();
+    let failovers = match failovers {
+        Some(task) => task
+            .await
+            .map_err(|e| format!("the failover task panicked: {e}"))??,
+        None => Vec::new(),
+    };
     drop(sidecars);
     let history = std::mem::take(&mut *history.lock().expect("history lock"));
     let errors = std::mem::take(&mut *errors.lock().expect("errors lock"));
@@ -365,6 +393,7 @@ pub async fn run(config: RunConfig) -> Result<Run, String> {
         downtime,
         kill_windows,
         errors,
+        failovers,
     })
 }
 

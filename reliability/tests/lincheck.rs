@@ -393,6 +393,7 @@ fn errors_count_outside_the_kill_windows_and_thin_runs_fail() {
             error(500, 999),     // before
             error(2_101, 2_300), // after
         ],
+        failovers: Vec::new(),
     };
     let outside = run.errors_outside_kill_windows();
     assert_eq!(outside, [&error(500, 999), &error(2_101, 2_300)]);
@@ -451,6 +452,7 @@ async fn a_real_history_on_sled_with_a_kill_is_linearizable() {
         seed: rand::random(),
         clock_skews: Vec::new(),
         libfaketime: None,
+        cluster_failovers: None,
     })
     .await
     .expect("the run");

@@ -358,14 +358,11 @@ async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
     }
 }
 
-async fn render_metrics(State(state): State<AppState>) -> impl IntoResponse {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        state.metrics.render(),
-    )
+async fn render_metrics(
+    State(state): State<AppState>,
+    request: axum::http::HeaderMap,
+) -> impl IntoResponse {
+    crate::metrics::exposition(&request, state.metrics.render())
 }
 
 /// Serves HTTPS on `listener` with `cert` until `shutdown` resolves, then

@@ -41,6 +41,7 @@ use tokio::{
     sync::{OwnedSemaphorePermit, Semaphore},
 };
 use tonic::transport::server::Connected;
+use tracing::Instrument;
 
 use super::idempotency::{
     end_to_end, fingerprint, grpc_disposition, http_disposition, may_store, storable, CallerScope,
@@ -54,6 +55,7 @@ use crate::{
     error::Error,
     server::{ConnectionLimits, MAX_LOCAL_ERROR_RESET_STREAMS, MAX_PENDING_RESET_STREAMS},
     store::Store,
+    telemetry,
 };
 
 /// The header that marks a replayed response.
@@ -516,15 +518,21 @@ impl Drop for Renewals {
 
 impl<S: Store> Proxy<S> {
     async fn handle(self: Arc<Self>, request: Request<Incoming>) -> Response<ProxyBody> {
-        let started = Instant::now();
-        let keyed = request.headers().contains_key("idempotency-key");
-        let answer = Arc::clone(&self).answer(request).await;
-        let metrics = self.engine.metrics();
-        metrics.proxy_request(answer.result);
-        if keyed && answer.result != "passed_through" {
-            metrics.proxy_added(started.elapsed().saturating_sub(answer.upstream));
+        let span = telemetry::proxy_span(&request);
+        async move {
+            let started = Instant::now();
+            let keyed = request.headers().contains_key("idempotency-key");
+            let answer = Arc::clone(&self).answer(request).await;
+            let metrics = self.engine.metrics();
+            metrics.proxy_request(answer.result);
+            if keyed && answer.result != "passed_through" {
+                metrics.proxy_added(started.elapsed().saturating_sub(answer.upstream));
+            }
+            telemetry::record_proxy_answer(answer.response.status(), answer.result);
+            answer.response
         }
-        answer.response
+        .instrument(span)
+        .await
     }
 
     async fn answer(self: Arc<Self>, request: Request<Incoming>) -> Answer {
@@ -608,10 +616,16 @@ impl<S: Store> Proxy<S> {
         *request.uri_mut() = Uri::from_parts(parts)
             .map_err(|error| ForwardError::Unsent(format!("no upstream URI: {error}")))?;
         strip_hop_by_hop(request.headers_mut());
+        // The upstream's spans hang under this call's, not the caller's.
+        let upstream = telemetry::UpstreamCall::start(request.method());
+        telemetry::inject_into(upstream.span(), request.headers_mut());
         let sent = match protocol {
             Protocol::Http => {
                 *request.version_mut() = http::Version::HTTP_11;
-                self.http1.request(request).await
+                self.http1
+                    .request(request)
+                    .instrument(upstream.span().clone())
+                    .await
             }
             Protocol::Grpc => {
                 *request.version_mut() = http::Version::HTTP_2;
@@ -620,9 +634,13 @@ impl<S: Store> Proxy<S> {
                 request
                     .headers_mut()
                     .insert(header::TE, HeaderValue::from_static("trailers"));
-                self.http2.request(request).await
+                self.http2
+                    .request(request)
+                    .instrument(upstream.span().clone())
+                    .await
             }
         };
+        upstream.answered(sent.as_ref().ok().map(|response| response.status()));
         sent.map_err(|error| {
             // hyper-util says "connect" only when no connection was made
             // (refused, DNS, connect timeout): nothing was written.
@@ -686,11 +704,16 @@ impl<S: Store> Proxy<S> {
         // a settled record rather than an orphaned claim. The task keeps the
         // body's share of the budget until it ends.
         let proxy = Arc::clone(&self);
-        let run = self.tasks.spawn(async move {
-            let answer = proxy.claim_and_forward(parts, body, key, protocol).await;
-            drop(budget);
-            answer
-        });
+        let run = self.tasks.spawn(
+            async move {
+                let answer = proxy.claim_and_forward(parts, body, key, protocol).await;
+                drop(budget);
+                answer
+            }
+            // Still this request's work: its decision and the upstream call
+            // belong to the request's span.
+            .in_current_span(),
+        );
         match run.await {
             Ok(answer) => answer,
             Err(join) => {
@@ -791,7 +814,12 @@ impl<S: Store> Proxy<S> {
         let give_up = Instant::now() + CLAIM_RETRIES_FOR.min(self.config.lease_ttl);
         let mut pause = Duration::from_millis(50);
         loop {
-            match self.engine.claim(claim).await {
+            let claimed = self
+                .engine
+                .claim(claim)
+                .instrument(telemetry::step_span("dedup claim"))
+                .await;
+            match claimed {
                 Ok(outcome) => return Some(outcome),
                 Err(error) if error.may_pass() && Instant::now() + pause < give_up => {
                     tracing::debug!(%error, "claim failed; retrying");
@@ -809,20 +837,29 @@ impl<S: Store> Proxy<S> {
     /// Keeps the lease of `key` alive until the returned guard is dropped.
     fn renew_lease(self: &Arc<Self>, key: Key, token: LeaseToken) -> Renewals {
         let proxy = Arc::clone(self);
-        Renewals(tokio::spawn(async move {
-            let every = proxy.config.lease_ttl / 3;
-            loop {
-                tokio::time::sleep(every).await;
-                let renew = RenewRequest {
-                    key: key.clone(),
-                    lease_token: token,
-                    lease_ttl: proxy.config.lease_ttl,
-                };
-                if let Err(error) = proxy.engine.renew(&renew).await {
-                    tracing::warn!(%error, "lease renewal failed");
+        Renewals(tokio::spawn(
+            async move {
+                let every = proxy.config.lease_ttl / 3;
+                loop {
+                    tokio::time::sleep(every).await;
+                    let renew = RenewRequest {
+                        key: key.clone(),
+                        lease_token: token,
+                        lease_ttl: proxy.config.lease_ttl,
+                    };
+                    let renewed = proxy
+                        .engine
+                        .renew(&renew)
+                        .instrument(telemetry::step_span("dedup renew"))
+                        .await;
+                    if let Err(error) = renewed {
+                        tracing::warn!(%error, "lease renewal failed");
+                    }
                 }
             }
-        }))
+            // The request's work: its renewals belong to its trace.
+            .in_current_span(),
+        ))
     }
 
     /// Forwards the first request of a key, renewing its lease meanwhile,
@@ -1111,6 +1148,7 @@ impl<S: Store> Proxy<S> {
             retention: None,
         };
         self.retrying("commit", || self.engine.commit(&commit))
+            .instrument(telemetry::step_span("dedup commit"))
             .await
     }
 
@@ -1124,6 +1162,7 @@ impl<S: Store> Proxy<S> {
             lease_token: token,
         };
         self.retrying("release", || self.engine.release(&release))
+            .instrument(telemetry::step_span("dedup release"))
             .await
     }
 

@@ -40,6 +40,10 @@ impl MemoryStore {
 }
 
 impl Store for MemoryStore {
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+
     async fn update<T, F>(&self, key: &Key, mut apply: F) -> Result<T, Error>
     where
         T: Send,
@@ -120,6 +124,7 @@ impl Store for MemoryStore {
         StoreStats {
             records: Some(self.lock().records.len() as u64),
             disk_bytes: None,
+            local_tier_on: None,
         }
     }
 

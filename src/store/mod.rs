@@ -66,10 +66,19 @@ pub struct StoreStats {
     pub records: Option<u64>,
     /// Bytes on disk.
     pub disk_bytes: Option<u64>,
+    /// In front of a shared store: whether the local tier answers (its
+    /// deletion feed connected); `None` without a local tier.
+    pub local_tier_on: Option<bool>,
 }
 
 /// A place to keep records. Every method is safe to call concurrently.
 pub trait Store: Send + Sync + 'static {
+    /// What the store is, for traces (`db.system.name`): `sled`,
+    /// `postgresql`, `redis`, `memory`.
+    fn kind(&self) -> &'static str {
+        "other"
+    }
+
     /// Atomically reads the record of `key`, calls `apply` with it and stores
     /// the change it returns. If the record changes underneath, `apply` runs
     /// again on the new one, so it must not have side effects besides

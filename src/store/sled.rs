@@ -842,6 +842,10 @@ impl Inner {
 }
 
 impl Store for SledStore {
+    fn kind(&self) -> &'static str {
+        "sled"
+    }
+
     async fn update<T, F>(&self, key: &Key, apply: F) -> Result<T, Error>
     where
         T: Send,
@@ -976,6 +980,7 @@ impl Store for SledStore {
                 .size_on_disk()
                 .ok()
                 .map(|sled| sled + inner.log_bytes()),
+            local_tier_on: None,
         })
         .await
         .unwrap_or_default();

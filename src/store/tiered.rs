@@ -155,6 +155,10 @@ impl<S> Tiered<S> {
 }
 
 impl<S: Store> Store for Tiered<S> {
+    fn kind(&self) -> &'static str {
+        self.shared.kind()
+    }
+
     async fn update<T, F>(&self, key: &Key, mut apply: F) -> Result<T, Error>
     where
         T: Send,
@@ -244,7 +248,10 @@ impl<S: Store> Store for Tiered<S> {
     }
 
     async fn stats(&self) -> StoreStats {
-        self.shared.stats().await
+        StoreStats {
+            local_tier_on: Some(self.tier.enabled.load(SeqCst)),
+            ..self.shared.stats().await
+        }
     }
 
     async fn close(&self) -> Result<(), Error> {

@@ -22,5 +22,5 @@
 pub mod services;
 pub mod skip;
 
-pub use services::{postgres, redis, Service};
+pub use services::{postgres, redis, redis_cluster, Service};
 pub use skip::{skip, skip_for_store};

@@ -421,6 +421,171 @@ pub fn start_redis(args: &[OsString]) -> Result<Option<Throwaway>, String> {
     }
 }
 
+/// A Redis Cluster of the harness's own on 127.0.0.1: three primaries and
+/// a replica of each (`redis-cli --cluster create --cluster-replicas 1`),
+/// each node durable as the README asks (`appendonly yes`, `appendfsync
+/// always`) and failed over 2 s after it stops answering. Dropping it
+/// stops every node.
+#[derive(Debug)]
+pub struct RedisCluster {
+    /// `redis+cluster://127.0.0.1:<port>,…`: every node a seed.
+    pub url: String,
+    /// The nodes, in the order `--cluster create` was given them (the
+    /// first three start as primaries).
+    pub nodes: Vec<Throwaway>,
+}
+
+/// How long a silent node stays a primary (`cluster-node-timeout`).
+pub const CLUSTER_NODE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The cluster for this test process, as [`redis`]: `DEDUPD_TEST_REDIS_CLUSTER_URL`
+/// (a `redis+cluster://` URL that must answer), else one of the harness's
+/// own ([`start_redis_cluster`]), else `None` (the caller skips).
+pub fn redis_cluster() -> Option<&'static str> {
+    /// The URL, and the cluster if the harness started it (held to the end).
+    type Found = Option<(String, Option<RedisCluster>)>;
+    static CLUSTER: OnceLock<Result<Found, String>> = OnceLock::new();
+    let resolved = CLUSTER.get_or_init(|| {
+        if let Ok(url) = std::env::var("DEDUPD_TEST_REDIS_CLUSTER_URL") {
+            let seed = url
+                .replacen("redis+cluster://", "redis://", 1)
+                .split(',')
+                .next()
+                .unwrap_or_default()
+                .to_owned();
+            redis_answers(&seed).map_err(|error| {
+                format!("DEDUPD_TEST_REDIS_CLUSTER_URL={url} does not answer: {error}")
+            })?;
+            return Ok(Some((url, None)));
+        }
+        Ok(start_redis_cluster()?.map(|cluster| (cluster.url.clone(), Some(cluster))))
+    });
+    match resolved {
+        Ok(found) => found.as_ref().map(|(url, _)| url.as_str()),
+        Err(error) => panic!("{error}"),
+    }
+}
+
+/// [`redis_cluster`], or a skip saying what to install (the caller returns).
+pub fn require_redis_cluster() -> Option<&'static str> {
+    let url = redis_cluster();
+    if url.is_none() {
+        skip_for_store(
+            "no Redis Cluster: install redis-server and redis-cli (Debian: apt install redis-server), \
+             or set DEDUPD_TEST_REDIS_CLUSTER_URL",
+        );
+    }
+    url
+}
+
+/// Starts a [`RedisCluster`]; `Ok(None)` without `redis-server` and
+/// `redis-cli`. Returns once every node says `cluster_state:ok` and knows
+/// all six, and every replica's link to its primary is up.
+pub fn start_redis_cluster() -> Result<Option<RedisCluster>, String> {
+    let Some(binaries) = find_binaries(&["redis-server", "redis-cli"]) else {
+        return Ok(None);
+    };
+    let mut nodes = Vec::new();
+    for _ in 0..6 {
+        // The bus port is its own flag: port + 10 000 may not exist.
+        let args: Vec<OsString> = [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            &CLUSTER_NODE_TIMEOUT.as_millis().to_string(),
+            "--cluster-port",
+            &free_port().to_string(),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+        ]
+        .iter()
+        .map(OsString::from)
+        .collect();
+        match start_redis(&args)? {
+            Some(node) => nodes.push(node),
+            None => return Ok(None),
+        }
+    }
+    let created = Command::new(binaries.join("redis-cli"))
+        .args(["--cluster", "create"])
+        .args(nodes.iter().map(|node| format!("127.0.0.1:{}", node.port)))
+        .args(["--cluster-replicas", "1", "--cluster-yes"])
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|error| format!("redis-cli --cluster create: {error}"))?;
+    if !created.status.success() {
+        return Err(format!(
+            "redis-cli --cluster create failed: {}{}",
+            String::from_utf8_lossy(&created.stdout),
+            String::from_utf8_lossy(&created.stderr)
+        ));
+    }
+    let cluster = RedisCluster {
+        url: format!(
+            "redis+cluster://{}",
+            nodes
+                .iter()
+                .map(|node| format!("127.0.0.1:{}", node.port))
+                .collect::<Vec<_>>()
+                .join(",")
+        ),
+        nodes,
+    };
+    cluster.wait_until_settled(Duration::from_secs(60))?;
+    Ok(Some(cluster))
+}
+
+impl RedisCluster {
+    /// `redis-cli -p <port> <args>`'s output, or why it failed.
+    pub fn cli(&self, port: u16, args: &[&str]) -> Result<String, String> {
+        let binaries = &self.nodes[0].binaries;
+        let output = Command::new(binaries.join("redis-cli"))
+            .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|error| format!("redis-cli: {error}"))?;
+        if !output.status.success() {
+            return Err(String::from_utf8_lossy(&output.stderr).into_owned());
+        }
+        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+    }
+
+    /// Waits until every node that answers says `cluster_state:ok` and
+    /// knows the others, and every replica's link is up.
+    pub fn wait_until_settled(&self, within: Duration) -> Result<(), String> {
+        let started = Instant::now();
+        loop {
+            let unsettled = self.nodes.iter().find_map(|node| {
+                let info = match self.cli(node.port, &["cluster", "info"]) {
+                    Ok(info) => info,
+                    Err(error) => return Some(format!("{}: {error}", node.port)),
+                };
+                if !info.contains("cluster_state:ok") || !info.contains("cluster_known_nodes:6") {
+                    return Some(format!("{}: {info}", node.port));
+                }
+                let replication = self.cli(node.port, &["info", "replication"]).ok()?;
+                (replication.contains("role:slave")
+                    && !replication.contains("master_link_status:up"))
+                .then(|| format!("{}: {replication}", node.port))
+            });
+            match unsettled {
+                None => return Ok(()),
+                Some(why) if started.elapsed() > within => {
+                    return Err(format!(
+                        "the cluster did not settle within {within:?}: {why}"
+                    ))
+                }
+                Some(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
+    }
+}
+
 /// A fresh directory for a server (removed by its wrapper at the end).
 fn server_dir(kind: &str) -> Result<PathBuf, String> {
     tempfile::Builder::new()

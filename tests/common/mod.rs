@@ -6,6 +6,7 @@
 
 pub mod faultshim;
 pub mod forwarder;
+pub mod otlp;
 pub mod postgres;
 pub mod redis;
 pub mod shared;
@@ -333,7 +334,7 @@ impl TestStore {
                     upkeep,
                 }
             }
-            "redis" => {
+            "redis" | "redis-cluster" => {
                 let prefix = match space {
                     Some(Space::Redis(prefix)) => prefix,
                     _ => redis::fresh_prefix(),
@@ -347,7 +348,9 @@ impl TestStore {
                 }
             }
             "sled" => TestStore::Sled(open_store_observed(path, metrics)),
-            other => panic!("DEDUPD_TEST_STORE={other}: expected sled, postgres or redis"),
+            other => {
+                panic!("DEDUPD_TEST_STORE={other}: expected sled, postgres, redis or redis-cluster")
+            }
         }
     }
 
@@ -754,4 +757,14 @@ impl Store for GatedStore {
     async fn close(&self) -> Result<(), Error> {
         self.inner.close().await
     }
+}
+
+/// The head of a call of the dedup service's `method` for a raw HTTP/2
+/// client (h2), which then sends the message — or withholds it.
+pub fn grpc_request_head(addr: SocketAddr, method: &str) -> http::Request<()> {
+    http::Request::post(format!("http://{addr}/dedup.v1.ClaimAndCommit/{method}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap()
 }

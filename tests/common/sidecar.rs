@@ -41,6 +41,16 @@ impl Sidecar {
     /// Like [`Sidecar::start_with`], run by `launcher` (e.g. `prlimit …`),
     /// which must exec the binary so it keeps the child's process ID.
     pub fn start_under(launcher: &[&str], data_dir: &Path, extra: &[&str]) -> Sidecar {
+        Sidecar::start_in_environment(launcher, data_dir, extra, &[])
+    }
+
+    /// Like [`Sidecar::start_under`], with these environment variables set.
+    pub fn start_in_environment(
+        launcher: &[&str],
+        data_dir: &Path,
+        extra: &[&str],
+        environment: &[(&str, &str)],
+    ) -> Sidecar {
         let ready_dir = tempfile::tempdir().unwrap();
         let ready_file = ready_dir.path().join("ready.json");
         let mut command = match launcher.split_first() {
@@ -51,7 +61,15 @@ impl Sidecar {
             }
             None => Command::new(BINARY),
         };
+        // Only what the test gives: no OTEL_* or DEDUPD_OTLP_* from the
+        // environment the tests run in.
+        for (name, _) in std::env::vars_os() {
+            if name.to_str().is_some_and(is_trace_setting) {
+                command.env_remove(&name);
+            }
+        }
         let mut child = command
+            .envs(environment.iter().copied())
             .args(extra)
             .args([
                 "--listen",
@@ -100,6 +118,22 @@ impl Sidecar {
         ClaimAndCommitClient::connect(format!("http://{}", self.addr))
             .await
             .expect("connect")
+    }
+
+    /// One sample of the sidecar's `/metrics`: `name` is the series as
+    /// printed (with its labels, if any).
+    pub async fn metric(&self, name: &str) -> Option<f64> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let ops: SocketAddr = self.ready["metrics"].as_str()?.parse().ok()?;
+        let mut stream = tokio::net::TcpStream::connect(ops).await.ok()?;
+        let request = "GET /metrics HTTP/1.1\r\nHost: dedupd\r\nConnection: close\r\n\r\n";
+        stream.write_all(request.as_bytes()).await.ok()?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.ok()?;
+        response
+            .lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+            .and_then(|value| value.trim().parse().ok())
     }
 
     pub fn kill_9(mut self) {
@@ -155,6 +189,11 @@ fn wait_for_ready_file(child: &mut Child, path: &Path, log: &Mutex<Vec<String>>)
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// Whether the variable `name` configures traces.
+pub fn is_trace_setting(name: &str) -> bool {
+    name.starts_with("OTEL_") || name.starts_with("DEDUPD_OTLP_")
 }
 
 /// Open descriptors of process `pid`.

@@ -95,7 +95,7 @@ class Client {
         for (let attempt = 0;; attempt += 1) {
             try {
                 return await new Promise((resolve, reject) => {
-                    rpc(request, this.metadata, { deadline: Date.now() + this.timeoutMs }, (error, response) => error ? reject(error) : resolve(response));
+                    rpc(request, (0, connection_1.callMetadata)(this.metadata), { deadline: Date.now() + this.timeoutMs }, (error, response) => error ? reject(error) : resolve(response));
                 });
             }
             catch (error) {

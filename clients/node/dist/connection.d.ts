@@ -41,3 +41,9 @@ export interface Target {
  * then 127.0.0.1:50051. TLS settings: the argument, else DEDUPD_TLS_*. */
 export declare function resolveTarget(address: string | undefined, tlsOption: TlsOptions | undefined): Target;
 export declare function authMetadata(token: string | undefined): grpc.Metadata;
+/**
+ * `base` plus the application's active trace context (W3C `traceparent`,
+ * `tracestate`, `baggage`: whatever propagator it registered) when it uses
+ * OpenTelemetry, so the sidecar's span joins the caller's trace.
+ */
+export declare function callMetadata(base: grpc.Metadata): grpc.Metadata;

@@ -1,12 +1,14 @@
 "use strict";
 // How a client reaches the sidecar: the address (DEDUPD_ADDR), TLS, the
-// bearer token, and the retry policy for UNAVAILABLE.
+// bearer token and the caller's trace context, and the retry policy for
+// UNAVAILABLE.
 Object.defineProperty(exports, "__esModule", { value: true });
 exports.DEFAULT_ADDRESS = void 0;
 exports.retryPolicy = retryPolicy;
 exports.backoff = backoff;
 exports.resolveTarget = resolveTarget;
 exports.authMetadata = authMetadata;
+exports.callMetadata = callMetadata;
 const node_fs_1 = require("node:fs");
 const grpc = require("@grpc/grpc-js");
 exports.DEFAULT_ADDRESS = '127.0.0.1:50051';
@@ -83,5 +85,36 @@ function authMetadata(token) {
     const bearer = token ?? process.env.DEDUPD_TOKEN;
     if (bearer)
         metadata.set('authorization', `Bearer ${bearer}`);
+    return metadata;
+}
+let openTelemetry;
+function openTelemetryApi() {
+    if (openTelemetry === undefined) {
+        try {
+            openTelemetry = require('@opentelemetry/api');
+        }
+        catch {
+            openTelemetry = null;
+        }
+    }
+    return openTelemetry;
+}
+/**
+ * `base` plus the application's active trace context (W3C `traceparent`,
+ * `tracestate`, `baggage`: whatever propagator it registered) when it uses
+ * OpenTelemetry, so the sidecar's span joins the caller's trace.
+ */
+function callMetadata(base) {
+    const api = openTelemetryApi();
+    if (!api)
+        return base;
+    const carrier = {};
+    api.propagation.inject(api.context.active(), carrier);
+    const fields = Object.entries(carrier);
+    if (fields.length === 0)
+        return base;
+    const metadata = base.clone();
+    for (const [key, value] of fields)
+        metadata.set(key, value);
     return metadata;
 }

@@ -16,6 +16,7 @@ import {
 } from './errors';
 import {
   authMetadata,
+  callMetadata,
   backoff,
   resolveTarget,
   retryPolicy,
@@ -209,7 +210,7 @@ export class Client {
     for (let attempt = 0; ; attempt += 1) {
       try {
         return await new Promise<T>((resolve, reject) => {
-          rpc(request, this.metadata, { deadline: Date.now() + this.timeoutMs }, (error, response) =>
+          rpc(request, callMetadata(this.metadata), { deadline: Date.now() + this.timeoutMs }, (error, response) =>
             error ? reject(error) : resolve(response as T));
         });
       } catch (error) {

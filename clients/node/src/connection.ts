@@ -1,5 +1,6 @@
 // How a client reaches the sidecar: the address (DEDUPD_ADDR), TLS, the
-// bearer token, and the retry policy for UNAVAILABLE.
+// bearer token and the caller's trace context, and the retry policy for
+// UNAVAILABLE.
 
 import { readFileSync } from 'node:fs';
 import * as grpc from '@grpc/grpc-js';
@@ -109,5 +110,42 @@ export function authMetadata(token: string | undefined): grpc.Metadata {
   const metadata = new grpc.Metadata();
   const bearer = token ?? process.env.DEDUPD_TOKEN;
   if (bearer) metadata.set('authorization', `Bearer ${bearer}`);
+  return metadata;
+}
+
+// The part of @opentelemetry/api the client uses: the application's, looked
+// up at run time, so it stays an optional peer dependency.
+interface OpenTelemetryApi {
+  context: { active(): unknown };
+  propagation: { inject(context: unknown, carrier: Record<string, string>): void };
+}
+
+let openTelemetry: OpenTelemetryApi | null | undefined;
+
+function openTelemetryApi(): OpenTelemetryApi | null {
+  if (openTelemetry === undefined) {
+    try {
+      openTelemetry = require('@opentelemetry/api') as OpenTelemetryApi;
+    } catch {
+      openTelemetry = null;
+    }
+  }
+  return openTelemetry;
+}
+
+/**
+ * `base` plus the application's active trace context (W3C `traceparent`,
+ * `tracestate`, `baggage`: whatever propagator it registered) when it uses
+ * OpenTelemetry, so the sidecar's span joins the caller's trace.
+ */
+export function callMetadata(base: grpc.Metadata): grpc.Metadata {
+  const api = openTelemetryApi();
+  if (!api) return base;
+  const carrier: Record<string, string> = {};
+  api.propagation.inject(api.context.active(), carrier);
+  const fields = Object.entries(carrier);
+  if (fields.length === 0) return base;
+  const metadata = base.clone();
+  for (const [key, value] of fields) metadata.set(key, value);
   return metadata;
 }

@@ -44,7 +44,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "storePoolSize" "DEDUPD_STORE_POOL_SIZE" "storeTimeout" "DEDUPD_STORE_TIMEOUT"
   "localTierMb" "DEDUPD_LOCAL_TIER_MB" "localTierMaxAge" "DEDUPD_LOCAL_TIER_MAX_AGE"
   "maxClockUncertainty" "DEDUPD_MAX_CLOCK_UNCERTAINTY" "storeReplicas" "DEDUPD_STORE_REPLICAS"
-  "allowRedisEviction" "DEDUPD_ALLOW_REDIS_EVICTION" }}
+  "allowRedisEviction" "DEDUPD_ALLOW_REDIS_EVICTION" "storeCluster" "DEDUPD_STORE_CLUSTER" }}
 {{- range $key, $value := .Values.config }}
 {{- if not (hasKey $names $key) }}
 {{- fail (printf "config.%s is not a dedupd setting" $key) }}

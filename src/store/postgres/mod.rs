@@ -393,6 +393,10 @@ fn db_error(error: tokio_postgres::Error) -> Error {
 }
 
 impl Store for PostgresStore {
+    fn kind(&self) -> &'static str {
+        "postgresql"
+    }
+
     async fn update<T, F>(&self, key: &Key, apply: F) -> Result<T, Error>
     where
         T: Send,
@@ -703,6 +707,7 @@ impl PostgresStore {
             Ok(Some(row)) => StoreStats {
                 records: u64::try_from(row.get::<_, i64>(0)).ok(),
                 disk_bytes: u64::try_from(row.get::<_, i64>(1)).ok(),
+                local_tier_on: None,
             },
             _ => StoreStats::default(),
         }

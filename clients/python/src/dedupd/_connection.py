@@ -1,12 +1,14 @@
 """How a client reaches the sidecar: the address (DEDUPD_ADDR), TLS, the
-bearer token, and the retry policy for UNAVAILABLE."""
+bearer token and the caller's trace context, and the retry policy for
+UNAVAILABLE."""
 
 from __future__ import annotations
 
 import os
 import random
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from types import ModuleType
+from typing import Dict, Optional, Tuple
 
 import grpc
 
@@ -107,3 +109,26 @@ def channel_options(grpc_target: str, tls: Optional[TLS]) -> list[tuple[str, obj
 def metadata(token: Optional[str]) -> Optional[Tuple[Tuple[str, str], ...]]:
     token = token if token is not None else os.environ.get("DEDUPD_TOKEN")
     return (("authorization", f"Bearer {token}"),) if token else None
+
+
+def call_metadata(base: Optional[Tuple[Tuple[str, str], ...]]) -> Optional[Tuple[Tuple[str, str], ...]]:
+    """`base` plus the application's current trace context (W3C
+    `traceparent`, `tracestate`, `baggage`, or whatever propagators it
+    configured) when OpenTelemetry is installed, so the sidecar's span
+    joins the caller's trace. Without OpenTelemetry: `base`."""
+    if _propagate is None:
+        return base
+    carrier: Dict[str, str] = {}
+    _propagate.inject(carrier)
+    if not carrier:
+        return base
+    # gRPC metadata keys are lowercase (grpcio refuses others); a
+    # propagator may write e.g. X-Amzn-Trace-Id.
+    return (base or ()) + tuple((key.lower(), value) for key, value in carrier.items())
+
+
+_propagate: Optional[ModuleType]
+try:  # OpenTelemetry is optional: the application's, if it has it.
+    from opentelemetry import propagate as _propagate
+except ImportError:  # pragma: no cover - exercised where it is not installed
+    _propagate = None

@@ -13,7 +13,7 @@ import grpc
 import grpc.aio
 
 from dedupd import _protocol as protocol
-from dedupd._connection import TLS, Retry, channel_options, metadata, target
+from dedupd._connection import TLS, Retry, call_metadata, channel_options, metadata, target
 from dedupd._proto.dedup.v1 import dedup_pb2 as pb
 from dedupd._proto.dedup.v1 import dedup_pb2_grpc as pb_grpc
 from dedupd._protocol import (
@@ -75,7 +75,7 @@ class Client:
         rpc = getattr(self._stub, method)
         for attempt in range(self._retry.attempts):
             try:
-                return await rpc(request, metadata=self._metadata, timeout=self._timeout)
+                return await rpc(request, metadata=call_metadata(self._metadata), timeout=self._timeout)
             except grpc.aio.AioRpcError as error:
                 if error.code() == grpc.StatusCode.UNAVAILABLE and attempt + 1 < self._retry.attempts:
                     await asyncio.sleep(self._retry.delay(attempt))

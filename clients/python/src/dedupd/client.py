@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Typ
 import grpc
 
 from dedupd import _protocol as protocol
-from dedupd._connection import TLS, Retry, channel_options, metadata, target
+from dedupd._connection import TLS, Retry, call_metadata, channel_options, metadata, target
 from dedupd._proto.dedup.v1 import dedup_pb2 as pb
 from dedupd._proto.dedup.v1 import dedup_pb2_grpc as pb_grpc
 from dedupd._protocol import (
@@ -81,7 +81,7 @@ class Client:
         rpc = getattr(self._stub, method)
         for attempt in range(self._retry.attempts):
             try:
-                return rpc(request, metadata=self._metadata, timeout=self._timeout)
+                return rpc(request, metadata=call_metadata(self._metadata), timeout=self._timeout)
             except grpc.RpcError as error:
                 code = error.code() if isinstance(error, grpc.Call) else None
                 if code == grpc.StatusCode.UNAVAILABLE and attempt + 1 < self._retry.attempts:
