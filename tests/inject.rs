@@ -131,6 +131,13 @@ fn a_bare_pod_gets_a_native_sidecar() {
         "0.0.0.0:9090",
         "the kubelet probes the pod IP"
     );
+    // No collector annotated: no tracing variables, no downward API.
+    for variable in ["DEDUPD_OTLP_ENDPOINT", "OTEL_SERVICE_NAME", "HOST_IP"] {
+        assert!(
+            !sidecar["env"].to_string().contains(variable),
+            "{variable} without dedupd.io/otlp-endpoint"
+        );
+    }
     assert_eq!(sidecar["startupProbe"]["httpGet"]["path"], "/readyz");
     assert_eq!(sidecar["startupProbe"]["httpGet"]["port"], "dedupd-ops");
     assert_eq!(sidecar["ports"][0]["containerPort"], 9090);
@@ -261,8 +268,34 @@ fn every_annotation_reaches_the_sidecar() {
         ("DEDUPD_NAMESPACE_RETENTION", "payments=30days,http=24h"),
         ("DEDUPD_DEFAULT_LEASE_TTL", "2m"),
         ("DEDUPD_SYNC", "always"),
+        ("DEDUPD_OTLP_ENDPOINT", "http://$(HOST_IP):4317"),
+        ("DEDUPD_OTLP_PROTOCOL", "grpc"),
+        ("OTEL_SERVICE_NAME", "dedupd"),
+        (
+            "OTEL_RESOURCE_ATTRIBUTES",
+            "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)",
+        ),
     ] {
         assert_eq!(env_value(sidecar, variable).as_deref(), Some(value));
+    }
+    // The kubelet expands $(VAR) only from variables declared before the
+    // one that uses it: the pod's identity comes first.
+    let names: Vec<&str> = sidecar["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|variable| variable["name"].as_str().unwrap())
+        .collect();
+    let position = |name: &str| names.iter().position(|n| *n == name).unwrap();
+    for (field, path) in [
+        ("HOST_IP", "status.hostIP"),
+        ("POD_NAME", "metadata.name"),
+        ("POD_NAMESPACE", "metadata.namespace"),
+    ] {
+        let variable = &sidecar["env"][position(field)];
+        assert_eq!(variable["valueFrom"]["fieldRef"]["fieldPath"], path);
+        assert!(position(field) < position("DEDUPD_OTLP_ENDPOINT"));
+        assert!(position(field) < position("OTEL_RESOURCE_ATTRIBUTES"));
     }
     assert!(
         sidecar.to_string().find("postgres://").is_none(),
@@ -335,6 +368,21 @@ fn an_invalid_annotation_denies_the_pod_and_says_why() {
             "dedupd.io/native-sidecar",
         ),
         (&[("dedupd.io/inject", "maybe")], "dedupd.io/inject"),
+        (
+            &[("dedupd.io/otlp-endpoint", "ftp://collector:4317")],
+            "dedupd.io/otlp-endpoint",
+        ),
+        (
+            &[
+                ("dedupd.io/otlp-endpoint", "http://collector:4318"),
+                ("dedupd.io/otlp-protocol", "thrift"),
+            ],
+            "grpc or http/protobuf",
+        ),
+        (
+            &[("dedupd.io/otlp-protocol", "grpc")],
+            "needs dedupd.io/otlp-endpoint",
+        ),
         (
             &[("dedupd.io/retention", "7days")],
             "unknown annotation dedupd.io/retention",

@@ -49,25 +49,31 @@ const ANNOTATION_NATIVE: &str = "dedupd.io/native-sidecar";
 const ANNOTATION_CPU: &str = "dedupd.io/cpu";
 const ANNOTATION_MEMORY: &str = "dedupd.io/memory";
 const ANNOTATION_IMAGE: &str = "dedupd.io/image";
+const ANNOTATION_OTLP_ENDPOINT: &str = "dedupd.io/otlp-endpoint";
+const ANNOTATION_OTLP_PROTOCOL: &str = "dedupd.io/otlp-protocol";
 
 /// Annotations that set one dedupd flag each, checked by the same parser
 /// and validation `dedupd serve` runs at start.
-const FLAG_ANNOTATIONS: [(&str, &str); 4] = [
+const FLAG_ANNOTATIONS: [(&str, &str); 6] = [
     (ANNOTATION_STORE, "store"),
     ("dedupd.io/namespace-retention", "namespace-retention"),
     ("dedupd.io/default-lease-ttl", "default-lease-ttl"),
     ("dedupd.io/sync", "sync"),
+    (ANNOTATION_OTLP_ENDPOINT, "otlp-endpoint"),
+    (ANNOTATION_OTLP_PROTOCOL, "otlp-protocol"),
 ];
 
 /// Every annotation the injector reads; any other `dedupd.io/` one is a
 /// typo and denies the pod rather than being silently ignored.
-pub const ANNOTATIONS: [&str; 11] = [
+pub const ANNOTATIONS: [&str; 13] = [
     LABEL,
     ANNOTATION_STORE,
     ANNOTATION_STORE_URL_SECRET,
     "dedupd.io/namespace-retention",
     "dedupd.io/default-lease-ttl",
     "dedupd.io/sync",
+    ANNOTATION_OTLP_ENDPOINT,
+    ANNOTATION_OTLP_PROTOCOL,
     ANNOTATION_CPU,
     ANNOTATION_MEMORY,
     ANNOTATION_IMAGE,
@@ -153,6 +159,9 @@ struct PodSettings {
     store_url_secret: Option<(String, String)>,
     /// `(flag, value)` pairs, passed to the sidecar as `DEDUPD_*` variables.
     flags: Vec<(&'static str, String)>,
+    /// Traces are exported (an OTLP endpoint is annotated): the sidecar
+    /// also gets the pod's identity for its spans' resource.
+    traces: bool,
 }
 
 impl PodSettings {
@@ -197,6 +206,14 @@ impl PodSettings {
         };
         if store_url_secret.is_some() {
             flags.push(("store-url-file", format!("{SECRET_DIR}/store-url")));
+        }
+        let traces = get(ANNOTATION_OTLP_ENDPOINT).is_some_and(|url| !url.is_empty());
+        if !traces && get(ANNOTATION_OTLP_PROTOCOL).is_some() {
+            // A protocol without a collector would do nothing: say so
+            // rather than admit a pod whose owner thinks traces are on.
+            return Err(format!(
+                "annotation {ANNOTATION_OTLP_PROTOCOL} needs {ANNOTATION_OTLP_ENDPOINT}: the collector's URL (traces are off without it)"
+            ));
         }
         // Each flag passed alone above; together they must pass too.
         check_flags(&flags).map_err(|problem| format!("dedupd annotations: {problem}"))?;
@@ -250,6 +267,7 @@ impl PodSettings {
             data_pvc,
             store_url_secret,
             flags,
+            traces,
         })
     }
 
@@ -421,10 +439,27 @@ impl PodSettings {
             ),
         ];
         env.extend(self.flags.iter().cloned());
-        let env: Vec<Value> = env
+        let mut env: Vec<Value> = env
             .into_iter()
             .map(|(flag, value)| json!({"name": flag_variable(flag), "value": value}))
             .collect();
+        if self.traces {
+            // The kubelet expands $(VAR) only from variables listed before
+            // it: the pod's identity goes first, so an endpoint of
+            // http://$(HOST_IP):4318 reaches the node's collector.
+            let pod_field = |name: &str, path: &str| json!({"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}});
+            let identity = [
+                pod_field("HOST_IP", "status.hostIP"),
+                pod_field("POD_NAME", "metadata.name"),
+                pod_field("POD_NAMESPACE", "metadata.namespace"),
+            ];
+            env.splice(0..0, identity);
+            env.push(json!({"name": "OTEL_SERVICE_NAME", "value": "dedupd"}));
+            env.push(json!({
+                "name": "OTEL_RESOURCE_ATTRIBUTES",
+                "value": "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)",
+            }));
+        }
         let probe = |path: &str, period: u32, failures: u32| {
             json!({
                 "httpGet": {"path": path, "port": "dedupd-ops"},
