@@ -377,7 +377,15 @@ fn an_invalid_annotation_denies_the_pod_and_says_why() {
                 ("dedupd.io/otlp-endpoint", "http://collector:4318"),
                 ("dedupd.io/otlp-protocol", "thrift"),
             ],
-            "grpc or http/protobuf",
+            "annotation dedupd.io/otlp-protocol: --otlp-protocol \"thrift\"",
+        ),
+        (
+            &[("dedupd.io/otlp-endpoint", "https://collector:4318")],
+            "use --otlp-protocol grpc for https",
+        ),
+        (
+            &[("dedupd.io/otlp-endpoint", "  ")],
+            "dedupd.io/otlp-endpoint is empty",
         ),
         (
             &[("dedupd.io/otlp-protocol", "grpc")],
@@ -404,6 +412,41 @@ fn an_invalid_annotation_denies_the_pod_and_says_why() {
             answer.message
         );
         assert!(answer.message.starts_with("dedupd injector: "));
+    }
+}
+
+/// The two OTLP annotations are checked together, as the sidecar will
+/// read them: `https://` is refused alone and admitted with `grpc`.
+#[test]
+fn otlp_annotations_are_admitted_as_the_sidecar_accepts_them() {
+    for (endpoint, protocol) in [
+        ("https://otel-collector.observability:4317", Some("grpc")),
+        ("http://[$(HOST_IP)]:4318", None),
+        ("http://otel-collector:4318", Some("http/protobuf")),
+    ] {
+        let mut review = fixture("bare-pod.json");
+        let mut annotations = serde_json::Map::new();
+        annotations.insert("dedupd.io/otlp-endpoint".into(), json!(endpoint));
+        if let Some(protocol) = protocol {
+            annotations.insert("dedupd.io/otlp-protocol".into(), json!(protocol));
+        }
+        review["request"]["object"]["metadata"]["annotations"] = Value::Object(annotations);
+        let answer = answer_to(&review, &defaults());
+        assert!(
+            answer.allowed,
+            "{endpoint} {protocol:?}: {}",
+            answer.message
+        );
+        let pod = answer.patched.expect("a patch");
+        let sidecar = container(&pod["spec"]["initContainers"], "dedupd");
+        assert_eq!(
+            env_value(sidecar, "DEDUPD_OTLP_ENDPOINT").as_deref(),
+            Some(endpoint)
+        );
+        assert_eq!(
+            env_value(sidecar, "DEDUPD_OTLP_PROTOCOL").as_deref(),
+            protocol
+        );
     }
 }
 

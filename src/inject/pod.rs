@@ -8,14 +8,20 @@
 //! Kubernetes types do not know included, so a rewritten copy could drop
 //! them.
 
-use std::{collections::BTreeMap, time::Duration};
+use std::{
+    collections::{BTreeMap, HashMap},
+    time::Duration,
+};
 
 use clap::Parser;
 use json_patch::{jsonptr::PointerBuf, AddOperation, Patch, PatchOperation};
 use k8s_openapi::api::core::v1::{Container, Pod};
 use serde_json::{json, Value};
 
-use crate::config::{one_line_error, ServeArgs};
+use crate::{
+    config::{one_line_error, ServeArgs},
+    telemetry::TraceArgs,
+};
 
 /// The label that selects a pod for injection (the webhook's
 /// `objectSelector` matches it, so no other pod reaches the injector).
@@ -54,13 +60,11 @@ const ANNOTATION_OTLP_PROTOCOL: &str = "dedupd.io/otlp-protocol";
 
 /// Annotations that set one dedupd flag each, checked by the same parser
 /// and validation `dedupd serve` runs at start.
-const FLAG_ANNOTATIONS: [(&str, &str); 6] = [
+const FLAG_ANNOTATIONS: [(&str, &str); 4] = [
     (ANNOTATION_STORE, "store"),
     ("dedupd.io/namespace-retention", "namespace-retention"),
     ("dedupd.io/default-lease-ttl", "default-lease-ttl"),
     ("dedupd.io/sync", "sync"),
-    (ANNOTATION_OTLP_ENDPOINT, "otlp-endpoint"),
-    (ANNOTATION_OTLP_PROTOCOL, "otlp-protocol"),
 ];
 
 /// Every annotation the injector reads; any other `dedupd.io/` one is a
@@ -207,16 +211,12 @@ impl PodSettings {
         if store_url_secret.is_some() {
             flags.push(("store-url-file", format!("{SECRET_DIR}/store-url")));
         }
-        let traces = get(ANNOTATION_OTLP_ENDPOINT).is_some_and(|url| !url.is_empty());
-        if !traces && get(ANNOTATION_OTLP_PROTOCOL).is_some() {
-            // A protocol without a collector would do nothing: say so
-            // rather than admit a pod whose owner thinks traces are on.
-            return Err(format!(
-                "annotation {ANNOTATION_OTLP_PROTOCOL} needs {ANNOTATION_OTLP_ENDPOINT}: the collector's URL (traces are off without it)"
-            ));
-        }
         // Each flag passed alone above; together they must pass too.
         check_flags(&flags).map_err(|problem| format!("dedupd annotations: {problem}"))?;
+        let traces =
+            read_trace_annotations(get(ANNOTATION_OTLP_ENDPOINT), get(ANNOTATION_OTLP_PROTOCOL))?;
+        let traces_on = !traces.is_empty();
+        flags.extend(traces);
 
         let native_sidecar = match get(ANNOTATION_NATIVE).as_deref() {
             None => defaults.native_sidecar,
@@ -267,7 +267,7 @@ impl PodSettings {
             data_pvc,
             store_url_secret,
             flags,
-            traces,
+            traces: traces_on,
         })
     }
 
@@ -578,6 +578,50 @@ fn check_flags(flags: &[(&str, String)]) -> Result<(), String> {
     let sidecar =
         SidecarCommandLine::try_parse_from(&args).map_err(|error| one_line_error(&error))?;
     sidecar.serve.validate().map(drop)
+}
+
+/// `dedupd.io/otlp-endpoint` and `dedupd.io/otlp-protocol`, checked
+/// together (`https://` is valid only with `grpc`) by the sidecar's own
+/// validation, as `(flag, value)` pairs; none without an endpoint. Checked
+/// against an empty environment: the injector's own `OTEL_*` variables are
+/// not the sidecar's.
+fn read_trace_annotations(
+    endpoint: Option<String>,
+    protocol: Option<String>,
+) -> Result<Vec<(&'static str, String)>, String> {
+    let endpoint = match endpoint {
+        Some(url) if url.is_empty() => {
+            return Err(format!(
+                "annotation {ANNOTATION_OTLP_ENDPOINT} is empty: the collector's URL, e.g. http://$(HOST_IP):4318 (remove the annotation to turn traces off)"
+            ))
+        }
+        Some(url) => url,
+        None if protocol.is_some() => {
+            // A protocol without a collector would do nothing: say so
+            // rather than admit a pod whose owner thinks traces are on.
+            return Err(format!(
+                "annotation {ANNOTATION_OTLP_PROTOCOL} needs {ANNOTATION_OTLP_ENDPOINT}: the collector's URL (traces are off without it)"
+            ));
+        }
+        None => return Ok(Vec::new()),
+    };
+    let trace_args = TraceArgs {
+        otlp_endpoint: Some(endpoint.clone()),
+        otlp_protocol: protocol.clone(),
+    };
+    trace_args
+        .validate(&HashMap::<&str, &str>::new())
+        .map_err(|problem| {
+            let annotation = if problem.starts_with("--otlp-protocol") {
+                ANNOTATION_OTLP_PROTOCOL
+            } else {
+                ANNOTATION_OTLP_ENDPOINT
+            };
+            format!("annotation {annotation}: {problem}")
+        })?;
+    let mut flags = vec![("otlp-endpoint", endpoint)];
+    flags.extend(protocol.map(|protocol| ("otlp-protocol", protocol)));
+    Ok(flags)
 }
 
 /// The sidecar's command line as the injector writes it: `dedupd` and
