@@ -12,7 +12,7 @@
 //! look keys up, in turn.
 
 use std::{
-    collections::VecDeque,
+    collections::{BTreeMap, VecDeque},
     path::Path,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
@@ -86,6 +86,9 @@ impl Sample {
 struct Shared {
     latencies_us: Vec<u32>,
     errors: u64,
+    /// Why calls failed (gRPC code and message, or the unexpected outcome),
+    /// counted over the run: a failed soak says what failed.
+    error_reasons: BTreeMap<String, u64>,
     committed: Vec<(String, Instant)>,
 }
 
@@ -145,9 +148,17 @@ async fn task(
                     shared.committed.push((id, Instant::now()));
                 }
             }
-            Err(()) => shared.errors += 1,
+            Err(reason) => {
+                shared.errors += 1;
+                *shared.error_reasons.entry(reason).or_default() += 1;
+            }
         }
     }
+}
+
+/// A failed call, as the soak's report names it.
+fn call_failed(method: &str) -> impl FnOnce(tonic::Status) -> String + '_ {
+    move |status| format!("{method}: {:?} {}", status.code(), status.message())
 }
 
 /// Claims `id`; `Err` on a failed call or an outcome other than `expected`.
@@ -155,21 +166,26 @@ async fn claim(
     client: &mut ClaimAndCommitClient<Channel>,
     id: &str,
     expected: pb::ClaimOutcome,
-) -> Result<pb::ClaimResponse, ()> {
+) -> Result<pb::ClaimResponse, String> {
     let answer = client
         .claim(pb::ClaimRequest {
             correlation_id: id.to_owned(),
             ..Default::default()
         })
         .await
-        .map_err(drop)?
+        .map_err(call_failed("Claim"))?
         .into_inner();
-    (answer.outcome == expected as i32)
-        .then_some(answer)
-        .ok_or(())
+    if answer.outcome == expected as i32 {
+        Ok(answer)
+    } else {
+        Err(format!(
+            "Claim answered {:?}, expected {expected:?}",
+            pb::ClaimOutcome::try_from(answer.outcome)
+        ))
+    }
 }
 
-async fn commit(client: &mut ClaimAndCommitClient<Channel>, id: &str) -> Result<(), ()> {
+async fn commit(client: &mut ClaimAndCommitClient<Channel>, id: &str) -> Result<(), String> {
     let claimed = claim(client, id, pb::ClaimOutcome::Claimed).await?;
     let committed = client
         .commit(pb::CommitRequest {
@@ -179,14 +195,19 @@ async fn commit(client: &mut ClaimAndCommitClient<Channel>, id: &str) -> Result<
             ..Default::default()
         })
         .await
-        .map_err(drop)?
+        .map_err(call_failed("Commit"))?
         .into_inner();
-    (committed.outcome == pb::CommitOutcome::Committed as i32)
-        .then_some(())
-        .ok_or(())
+    if committed.outcome == pb::CommitOutcome::Committed as i32 {
+        Ok(())
+    } else {
+        Err(format!(
+            "Commit answered {:?}",
+            pb::CommitOutcome::try_from(committed.outcome)
+        ))
+    }
 }
 
-async fn duplicate(client: &mut ClaimAndCommitClient<Channel>, id: &str) -> Result<(), ()> {
+async fn duplicate(client: &mut ClaimAndCommitClient<Channel>, id: &str) -> Result<(), String> {
     claim(client, id, pb::ClaimOutcome::Duplicate)
         .await
         .map(drop)
@@ -195,7 +216,7 @@ async fn duplicate(client: &mut ClaimAndCommitClient<Channel>, id: &str) -> Resu
 async fn release_and_lookup(
     client: &mut ClaimAndCommitClient<Channel>,
     id: &str,
-) -> Result<(), ()> {
+) -> Result<(), String> {
     let claimed = claim(client, id, pb::ClaimOutcome::Claimed).await?;
     client
         .release(pb::ReleaseRequest {
@@ -204,7 +225,7 @@ async fn release_and_lookup(
             ..Default::default()
         })
         .await
-        .map_err(drop)?;
+        .map_err(call_failed("Release"))?;
     client
         .lookup(pb::LookupRequest {
             namespace: String::new(),
@@ -212,7 +233,7 @@ async fn release_and_lookup(
         })
         .await
         .map(drop)
-        .map_err(drop)
+        .map_err(call_failed("Lookup"))
 }
 
 fn p99(latencies: &mut [u32]) -> u32 {
@@ -289,8 +310,21 @@ pub async fn run(binary: &Path, data_dir: &Path, config: &SoakConfig) -> Result<
     while let Some(joined) = tasks.join_next().await {
         joined.map_err(|e| format!("a load task failed: {e}"))?;
     }
-    let committed = std::mem::take(&mut shared.lock().expect("not poisoned").committed);
+    let (committed, error_reasons) = {
+        let mut shared = shared.lock().expect("not poisoned");
+        (
+            std::mem::take(&mut shared.committed),
+            std::mem::take(&mut shared.error_reasons),
+        )
+    };
     let mut failures = judge(&samples, config);
+    if !error_reasons.is_empty() {
+        let reasons: Vec<String> = error_reasons
+            .iter()
+            .map(|(reason, count)| format!("{count} × {reason}"))
+            .collect();
+        failures.push(format!("why calls failed: {}", reasons.join("; ")));
+    }
 
     // Nothing acknowledged lost, even by a SIGKILL: restart and check.
     let killed = Instant::now();
