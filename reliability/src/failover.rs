@@ -20,6 +20,15 @@ pub struct Failover {
     /// From the SIGKILL until every node said `cluster_state:ok` again, the
     /// old primary back as a replica with its link up.
     pub settled: Duration,
+    /// When the SIGKILL was sent (floor, wall-clock ms since the epoch).
+    pub killed_at_ms: u64,
+}
+
+impl Failover {
+    /// When the cluster had settled again (ceil, wall-clock ms).
+    pub fn settled_at_ms(&self) -> u64 {
+        self.killed_at_ms + self.settled.as_millis() as u64 + 1
+    }
 }
 
 /// The settings a killed node is started again with (read with `CONFIG
@@ -147,6 +156,9 @@ pub async fn fail_over_a_primary(seed: &str, within: Duration) -> Result<Failove
         }
     }
     let killed_at = Instant::now();
+    let killed_at_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis() as u64);
     let status = Command::new("kill")
         .args(["-9", &pid.to_string()])
         .status()
@@ -223,6 +235,7 @@ pub async fn fail_over_a_primary(seed: &str, within: Duration) -> Result<Failove
         promoted,
         promotion,
         settled: killed_at.elapsed(),
+        killed_at_ms,
     })
 }
 

@@ -122,7 +122,17 @@ pub struct HostileConfig {
     /// The sidecar's resident memory bound, KiB (plus, for clients that
     /// never read, what their streams may pin).
     pub max_rss_kib: u64,
+    /// The sidecar's `--max-connections` (the runner starts it with this):
+    /// how many idle connections it holds, and so must close, at once.
+    pub max_connections: usize,
 }
+
+/// How long past an attack's deadline the runner waits for the sidecar's
+/// closes to be seen before it counts them short (a loaded machine).
+const CLOSE_SLACK: Duration = Duration::from_secs(5);
+/// The share of the connections a deadline must end that must be seen
+/// ended: all of them but the odd one still connecting when counted.
+const CLOSED_SHARE: f64 = 0.9;
 
 /// Latencies of one phase, in microseconds.
 #[derive(Debug, Default, Clone)]
@@ -241,6 +251,8 @@ pub struct PhaseReport {
     pub phase: String,
     /// The well-behaved client's calls.
     pub latencies: Latencies,
+    /// The p99 it was held to a multiple of, microseconds.
+    pub baseline_p99_us: u32,
     /// Its p99 over the baseline's.
     pub p99_ratio: f64,
     /// The sidecar's resident memory at the phase's end, KiB.
@@ -253,6 +265,11 @@ pub struct PhaseReport {
     pub attack: serde_json::Value,
     /// Whether the phase met the bounds.
     pub passed: bool,
+    /// Whether it met every bound but the p99's.
+    pub slow_only: bool,
+    /// How many times it was measured (a second time when it was only
+    /// slow: see [`run`]).
+    pub attempts: u32,
 }
 
 impl PhaseReport {
@@ -265,18 +282,23 @@ impl PhaseReport {
             "p50_us": self.latencies.quantile(0.5),
             "p99_us": self.latencies.quantile(0.99),
             "max_us": self.latencies.quantile(1.0),
+            "baseline_p99_us": self.baseline_p99_us,
             "p99_ratio": (self.p99_ratio * 100.0).round() / 100.0,
             "rss_kib": self.rss_kib,
             "rss_bound_kib": self.rss_bound_kib,
             "open_files": self.open_files,
             "attack": self.attack,
             "passed": self.passed,
+            "attempts": self.attempts,
         })
     }
 }
 
 /// Runs the baseline, every attack in `attacks`, and a recovery phase
-/// against `sidecar`'s `config.target`; one report per phase.
+/// against `sidecar`'s `config.target`; one report per phase. A phase that
+/// met every bound but its p99's is measured once more (an attack against
+/// a fresh quiet baseline as well): the bound is about what the attack
+/// does, not about another process that loaded the machine meanwhile.
 pub async fn run(
     sidecar: &Sidecar,
     config: &HostileConfig,
@@ -354,37 +376,123 @@ async fn phases(
         None,
     ));
     for &attack in attacks {
-        let counters = Arc::new(AttackCounters::default());
-        let stop = Arc::new(AtomicBool::new(false));
-        let mut attackers = JoinSet::new();
-        start_attack(attack, target, config, &counters, &stop, &mut attackers)?;
-        // Let the attack take hold before measuring.
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let latencies = client.work(attack, config.phase).await;
-        let sampled = report(
-            attack,
-            latencies,
-            baseline_p99,
-            sidecar,
-            config,
-            Some(&counters),
-        );
-        stop.store(true, Relaxed);
-        attackers.shutdown().await;
+        let mut sampled =
+            attack_phase(sidecar, config, attack, target, client, baseline_p99).await?;
+        // Slower than its bound and nothing else wrong: measured again once,
+        // against the higher of the first baseline and a quiet phase taken
+        // just before. A build that loads the machine now and not during
+        // the first baseline passes the second time; an attack that really
+        // starves the client fails it as well.
+        if sampled.slow_only {
+            let quiet = client.work("quiet", config.phase).await;
+            let quiet_p99 = f64::from(quiet.quantile(0.99).max(1));
+            sampled = attack_phase(
+                sidecar,
+                config,
+                attack,
+                target,
+                client,
+                baseline_p99.max(quiet_p99),
+            )
+            .await?;
+            sampled.attempts = 2;
+        }
         reports.push(sampled);
-        // The sidecar sees the attackers' sockets close.
-        tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    let recovery = client.work("recovery", config.phase).await;
-    reports.push(report(
+    let mut recovery = report(
         "recovery",
-        recovery,
+        client.work("recovery", config.phase).await,
         baseline_p99,
         sidecar,
         config,
         None,
-    ));
+    );
+    if recovery.slow_only {
+        recovery = report(
+            "recovery",
+            client.work("recovery", config.phase).await,
+            baseline_p99,
+            sidecar,
+            config,
+            None,
+        );
+        recovery.attempts = 2;
+    }
+    reports.push(recovery);
     Ok(reports)
+}
+
+/// One attack for a phase while `client` works; its report, the p99 held
+/// to `baseline_p99`'s multiple.
+async fn attack_phase(
+    sidecar: &Sidecar,
+    config: &HostileConfig,
+    attack: &str,
+    target: SocketAddr,
+    client: &mut impl WellBehaved,
+    baseline_p99: f64,
+) -> Result<PhaseReport, String> {
+    let counters = Arc::new(AttackCounters::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut attackers = JoinSet::new();
+    let attack_started = Instant::now();
+    start_attack(attack, target, config, &counters, &stop, &mut attackers)?;
+    // Let the attack take hold before measuring.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let latencies = client.work(attack, config.phase).await;
+    // Connections the sidecar must end are counted until they are all seen
+    // ended, or CLOSE_SLACK past their deadline: never skipped, however
+    // short the phase.
+    let closes = must_close(config, attack).map(|(deadline, required)| {
+        let until = attack_started + deadline + CLOSE_SLACK;
+        (until, required)
+    });
+    if let Some((until, required)) = closes {
+        while counters.closed_by_server.load(Relaxed) < required && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let sampled = report(
+        attack,
+        latencies,
+        baseline_p99,
+        sidecar,
+        config,
+        Some((&counters, closes.map(|(_, required)| required))),
+    );
+    stop.store(true, Relaxed);
+    attackers.shutdown().await;
+    // The sidecar sees the attackers' sockets close.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    Ok(sampled)
+}
+
+/// The connections an attack's deadline must end, if it has one: by when
+/// (from the attack's start) and how many at least.
+///
+/// Connections that never send their first bytes are closed after the
+/// target's deadline (gRPC: the 5 s handshake timeout; the proxy: its 3 s
+/// header timeout): as many as the sidecar holds at once, the lesser of
+/// the idle connections and its `--max-connections` (less the well-behaved
+/// client's). At the proxy, so are those that never end their head or body
+/// (each attacker's), or send one too large (at once).
+fn must_close(config: &HostileConfig, attack: &str) -> Option<(Duration, u64)> {
+    let share = |connections: usize| (connections as f64 * CLOSED_SHARE).floor().max(1.0) as u64;
+    match (config.target, attack) {
+        (target, "idle-tcp") => Some((
+            target.first_bytes_deadline(),
+            share(
+                config
+                    .idle_connections
+                    .min(config.max_connections.saturating_sub(1)),
+            ),
+        )),
+        (Target::Proxy, "slowloris" | "slow-body") => {
+            Some((proxy::DEADLINE, share(config.attack_connections)))
+        }
+        (Target::Proxy, "big-headers") => Some((Duration::ZERO, share(config.attack_connections))),
+        _ => None,
+    }
 }
 
 fn report(
@@ -393,39 +501,36 @@ fn report(
     baseline_p99: f64,
     sidecar: &Sidecar,
     config: &HostileConfig,
-    counters: Option<&AttackCounters>,
+    attack: Option<(&AttackCounters, Option<u64>)>,
 ) -> PhaseReport {
     let sample = sidecar.sample();
     let p99_ratio = f64::from(latencies.quantile(0.99)) / baseline_p99;
-    // Connections that never send their first bytes are closed after the
-    // target's deadline (gRPC: the 5 s handshake timeout; the proxy: its
-    // 3 s header timeout), and so, at the proxy, are those that never end
-    // their head or body, or send one too large (phases at least that long
-    // see it).
-    let must_close = match (config.target, phase) {
-        (_, "idle-tcp") => Some(config.target.first_bytes_deadline()),
-        (Target::Proxy, "slowloris" | "slow-body") => Some(proxy::DEADLINE),
-        (Target::Proxy, "big-headers") => Some(Duration::ZERO),
-        _ => None,
-    };
-    let silent_ones_closed = must_close.is_none_or(|deadline| config.phase < deadline)
-        || counters.is_some_and(|counters| counters.closed_by_server.load(Relaxed) > 0);
+    let silent_ones_closed = attack.is_none_or(|(counters, required)| {
+        required.is_none_or(|required| counters.closed_by_server.load(Relaxed) >= required)
+    });
     let rss_bound_kib = rss_bound_kib(phase, config);
-    let passed = latencies.errors == 0
+    let fast_enough = p99_ratio <= config.max_p99_ratio;
+    let otherwise_passed = latencies.errors == 0
         && latencies.count() > 0
-        && p99_ratio <= config.max_p99_ratio
         && sample.rss_kib > 0
         && sample.rss_kib <= rss_bound_kib
         && silent_ones_closed;
     PhaseReport {
         phase: phase.to_owned(),
         latencies,
+        baseline_p99_us: baseline_p99 as u32,
         p99_ratio,
         rss_kib: sample.rss_kib,
         rss_bound_kib,
         open_files: sample.open_files,
-        attack: counters.map_or(serde_json::Value::Null, AttackCounters::json),
-        passed,
+        attack: attack.map_or(serde_json::Value::Null, |(counters, required)| {
+            let mut figures = counters.json();
+            figures["closes_required"] = serde_json::json!(required);
+            figures
+        }),
+        passed: otherwise_passed && fast_enough,
+        slow_only: otherwise_passed && !fast_enough,
+        attempts: 1,
     }
 }
 

@@ -3,18 +3,22 @@
 //! get taken over), stale tokens (so refusals are exercised), and the
 //! sidecar killed with SIGKILL and restarted on the same store mid-run.
 //!
-//! A call that fails with UNAVAILABLE or DEADLINE_EXCEEDED is an unknown
-//! outcome (a shared store may be briefly away). INTERNAL, UNKNOWN and
-//! CANCELLED are unknown outcomes too, but also [`CallError`]s: near a
-//! SIGKILL (a call overlapping one of [`Run::kill_windows`]) they are what
-//! a dying connection gives; anywhere else they are the sidecar failing,
-//! and [`Run::errors_outside_kill_windows`] names them so the run fails.
+//! A call that fails with UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, UNKNOWN
+//! or CANCELLED is an unknown outcome in the history, and also a
+//! [`CallError`]: near a SIGKILL of the sidecar (a call overlapping one of
+//! [`Run::kill_windows`]) or a failover of the store (one of
+//! [`Run::failover_windows`]) it is what a dying connection or a store
+//! briefly away gives; anywhere else it is the sidecar (or its store)
+//! failing, and [`Run::errors_outside_windows`] names it so the run fails.
+//! A store that answered UNAVAILABLE to everything would otherwise pass:
+//! an unknown outcome is linearizable whatever happened.
 
 use std::{
+    io::Write,
     path::PathBuf,
     process::Stdio,
     sync::{
-        atomic::{AtomicUsize, Ordering::SeqCst},
+        atomic::{AtomicU64, AtomicUsize, Ordering::SeqCst},
         Arc, Mutex,
     },
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
@@ -27,8 +31,8 @@ use tonic::{transport::Channel, Code};
 
 use crate::history::{Answer, Call, Operation, Released, State, Token};
 
-/// A call answered INTERNAL, UNKNOWN or CANCELLED (recorded in the history
-/// as an unknown outcome).
+/// A call answered UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, UNKNOWN or
+/// CANCELLED (recorded in the history as an unknown outcome).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CallError {
     /// Which client made it.
@@ -118,12 +122,23 @@ pub struct Run {
     /// Around each SIGKILL, [from, to] in wall-clock ms: from just before
     /// the kill until [`KILL_SETTLE`] after the restarted sidecar was ready.
     pub kill_windows: Vec<(u64, u64)>,
-    /// Every INTERNAL, UNKNOWN or CANCELLED answer, in or out of a window.
+    /// Every failed call (see [`CallError`]), in or out of a window.
     pub errors: Vec<CallError>,
-    /// The store's primaries failed over (a cluster's), in order. Unlike a
-    /// SIGKILL of the sidecar, a failover opens no window for errors: the
-    /// sidecar must answer UNAVAILABLE meanwhile, never INTERNAL.
+    /// The store's primaries failed over (a cluster's), in order. Each
+    /// opens a window for UNAVAILABLE and DEADLINE_EXCEEDED only (the
+    /// sidecar must never answer INTERNAL for a store that is away):
+    /// [`Run::failover_windows`].
     pub failovers: Vec<crate::failover::Failover>,
+}
+
+/// What a failed call is excused by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Excuse {
+    /// It overlaps a SIGKILL of the sidecar (any code).
+    Kill,
+    /// It overlaps a failover of the store (UNAVAILABLE or
+    /// DEADLINE_EXCEEDED).
+    Failover,
 }
 
 impl Run {
@@ -154,18 +169,64 @@ impl Run {
         })
     }
 
-    /// The errors of calls that overlap no kill window: a healthy sidecar
-    /// has none, and each one fails the run.
-    pub fn errors_outside_kill_windows(&self) -> Vec<&CallError> {
-        self.errors
+    /// Around each failover of the store, [from, to] in wall-clock ms: from
+    /// the SIGKILL of its primary until [`FAILOVER_SETTLE`] after the
+    /// cluster said it had settled.
+    pub fn failover_windows(&self) -> Vec<(u64, u64)> {
+        self.failovers
             .iter()
-            .filter(|error| {
-                !self
-                    .kill_windows
-                    .iter()
-                    .any(|&(from, to)| error.invoked_ms <= to && error.completed_ms >= from)
+            .map(|failover| {
+                (
+                    failover.killed_at_ms,
+                    failover.settled_at_ms() + FAILOVER_SETTLE.as_millis() as u64,
+                )
             })
             .collect()
+    }
+
+    /// Why `error` is excused, if it is.
+    pub fn excuse(&self, error: &CallError) -> Option<Excuse> {
+        let overlaps = |windows: &[(u64, u64)]| {
+            windows
+                .iter()
+                .any(|&(from, to)| error.invoked_ms <= to && error.completed_ms >= from)
+        };
+        if overlaps(&self.kill_windows) {
+            Some(Excuse::Kill)
+        } else if matches!(error.code, Code::Unavailable | Code::DeadlineExceeded)
+            && overlaps(&self.failover_windows())
+        {
+            Some(Excuse::Failover)
+        } else {
+            None
+        }
+    }
+
+    /// The errors no window excuses: a healthy sidecar on a healthy store
+    /// has none, and each one fails the run.
+    pub fn errors_outside_windows(&self) -> Vec<&CallError> {
+        self.errors
+            .iter()
+            .filter(|error| self.excuse(error).is_none())
+            .collect()
+    }
+
+    /// COMMITTED answers to calls sent after the last failover's window
+    /// closed (all of them when there was none): a store that came back
+    /// answering nothing but UNAVAILABLE has none.
+    pub fn committed_after_failovers(&self) -> usize {
+        let after = self
+            .failover_windows()
+            .iter()
+            .map(|&(_, to)| to)
+            .max()
+            .unwrap_or(0);
+        self.history
+            .iter()
+            .filter(|op| {
+                op.invoked_ms > after && matches!(op.answer, Answer::Committed { already: false })
+            })
+            .count()
     }
 }
 
@@ -206,6 +267,12 @@ const RETENTION: &str = "1h";
 /// How long after a restarted sidecar is ready a kill window lasts: each
 /// client's first call on its dead connection may still fail then.
 pub const KILL_SETTLE: Duration = Duration::from_secs(1);
+/// How long after the cluster settled a failover window lasts: the
+/// sidecar's cluster client learns the new slot map on its next refresh.
+pub const FAILOVER_SETTLE: Duration = Duration::from_secs(2);
+/// The clients go on at least this long after the last failover window
+/// closed, so that the run shows the store serving again.
+pub const AFTER_FAILOVER: Duration = Duration::from_secs(5);
 
 fn now_floor_ms() -> u64 {
     let since = SystemTime::now()
@@ -231,6 +298,19 @@ async fn start(config: &RunConfig, index: usize, port: u16) -> Result<Sidecar, S
     std::fs::create_dir_all(&home).map_err(|e| e.to_string())?;
     let ready = home.join("ready.json");
     let _ = std::fs::remove_file(&ready);
+    // Every start's log kept, one after another: a failed run says why.
+    let log = home.join("log");
+    let mut log_file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log)
+        .map_err(|e| format!("{}: {e}", log.display()))?;
+    writeln!(
+        log_file,
+        "=== dedupd-reliability: sidecar {index} started at {} ms since the epoch ===",
+        now_floor_ms()
+    )
+    .map_err(|e| format!("{}: {e}", log.display()))?;
     let mut command = Command::new(&config.binary);
     if let Some(skew) = config.clock_skews.get(index) {
         let library = config
@@ -256,7 +336,7 @@ async fn start(config: &RunConfig, index: usize, port: u16) -> Result<Sidecar, S
         .arg(&ready)
         .args(&config.store_flags)
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(log_file)
         .kill_on_drop(true)
         .spawn()
         .map_err(|e| format!("cannot start {}: {e}", config.binary.display()))?;
@@ -293,12 +373,20 @@ pub async fn run(config: RunConfig) -> Result<Run, String> {
     let recorded = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
     let (deadline, latest) = (started + config.duration, started + config.duration * 3);
+    // While failovers are due, and for AFTER_FAILOVER past the last one's
+    // window, the clients go on (up to `latest`).
+    let hold_until_ms = Arc::new(AtomicU64::new(if config.cluster_failovers.is_some() {
+        u64::MAX
+    } else {
+        0
+    }));
     let mut clients = tokio::task::JoinSet::new();
     for client in 0..config.clients {
-        let (history, errors, recorded, config) = (
+        let (history, errors, recorded, hold_until_ms, config) = (
             Arc::clone(&history),
             Arc::clone(&errors),
             Arc::clone(&recorded),
+            Arc::clone(&hold_until_ms),
             config.clone(),
         );
         let port = ports[client % count];
@@ -318,7 +406,8 @@ pub async fn run(config: RunConfig) -> Result<Run, String> {
             let min_operations = worker.config.min_operations;
             loop {
                 let now = Instant::now();
-                let short = recorded.load(SeqCst) < min_operations;
+                let short = recorded.load(SeqCst) < min_operations
+                    || now_floor_ms() < hold_until_ms.load(SeqCst);
                 if now >= latest || (now >= deadline && !short) {
                     break;
                 }
@@ -338,15 +427,24 @@ pub async fn run(config: RunConfig) -> Result<Run, String> {
     }
     let failovers = config.cluster_failovers.clone().map(|(seed, count)| {
         let duration = config.duration;
+        let hold_until_ms = Arc::clone(&hold_until_ms);
         tokio::spawn(async move {
             let mut done = Vec::with_capacity(count);
             for failover in 1..=count {
                 let at = started + duration.mul_f64((failover as f64 - 0.5) / (count + 1) as f64);
                 tokio::time::sleep_until(at.into()).await;
-                done.push(
-                    crate::failover::fail_over_a_primary(&seed, Duration::from_secs(60)).await?,
-                );
+                let outcome =
+                    crate::failover::fail_over_a_primary(&seed, Duration::from_secs(60)).await;
+                let Ok(failover) = outcome else {
+                    hold_until_ms.store(0, SeqCst);
+                    return outcome.map(|_| done);
+                };
+                done.push(failover);
             }
+            let last = done.last().map_or(0, |failover| {
+                failover.settled_at_ms() + (FAILOVER_SETTLE + AFTER_FAILOVER).as_millis() as u64
+            });
+            hold_until_ms.store(last, SeqCst);
             Ok::<_, String>(done)
         })
     });
@@ -435,8 +533,8 @@ fn token_of(text: &str) -> Result<Token, String> {
 }
 
 impl Client {
-    /// One random call, recorded; with it, the error it got if that was
-    /// INTERNAL, UNKNOWN or CANCELLED.
+    /// One random call, recorded; with it, the error it got if it failed
+    /// (see [`CallError`]).
     async fn step(&mut self, started: Instant) -> Result<(Operation, Option<CallError>), String> {
         let generation =
             (started.elapsed().as_millis() / self.config.generation.as_millis().max(1)) as u32;
@@ -473,45 +571,45 @@ impl Client {
         }
         let invoked_ms = now_floor_ms();
         let answer = self.send(key, &call).await?;
-        let completed_ms = now_ceil_ms();
+        let mut completed_ms = now_ceil_ms();
         let mut error = None;
         let answer = match answer {
             Ok(answer) => answer,
-            Err(status) => match status.code() {
-                Code::FailedPrecondition => Answer::LeaseLost,
-                Code::Unavailable => Answer::Unknown,
-                // Unknown in the history; the run judges them by when they
-                // came (Run::errors_outside_kill_windows).
-                code @ (Code::Unknown | Code::Cancelled | Code::Internal) => {
-                    error = Some(CallError {
-                        client: self.id,
-                        key,
-                        call: call.clone(),
-                        invoked_ms,
-                        completed_ms,
-                        code,
-                        message: status.message().to_owned(),
-                    });
-                    Answer::Unknown
-                }
-                Code::DeadlineExceeded => {
-                    let operation = Operation {
-                        client: self.id,
-                        key,
-                        call,
-                        invoked_ms,
-                        completed_ms: completed_ms + SERVER_REQUEST_TIMEOUT_MS,
-                        answer: Answer::Unknown,
-                    };
-                    return Ok((operation, None));
-                }
-                other => {
+            Err(status) if status.code() == Code::FailedPrecondition => Answer::LeaseLost,
+            // Unknown in the history; the run judges them by when they came
+            // (Run::errors_outside_windows).
+            Err(status) => {
+                let code = status.code();
+                if !matches!(
+                    code,
+                    Code::Unavailable
+                        | Code::DeadlineExceeded
+                        | Code::Unknown
+                        | Code::Cancelled
+                        | Code::Internal
+                ) {
                     return Err(format!(
-                        "{call:?} on key {key}: unexpected {other:?}: {}",
+                        "{call:?} on key {key}: unexpected {code:?}: {}",
                         status.message()
-                    ))
+                    ));
                 }
-            },
+                error = Some(CallError {
+                    client: self.id,
+                    key,
+                    call: call.clone(),
+                    invoked_ms,
+                    completed_ms,
+                    code,
+                    message: status.message().to_owned(),
+                });
+                // The sidecar may still act on a call the client gave up on
+                // until its own request timeout: it lasts that long in the
+                // history.
+                if code == Code::DeadlineExceeded {
+                    completed_ms += SERVER_REQUEST_TIMEOUT_MS;
+                }
+                Answer::Unknown
+            }
         };
         match &answer {
             Answer::Claimed { token, .. } => {

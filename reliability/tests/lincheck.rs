@@ -367,19 +367,24 @@ fn a_renewal_must_come_from_the_holder() {
     assert!(!linearizable(&history));
 }
 
-/// INTERNAL, UNKNOWN or CANCELLED fail a run unless the call overlaps a
-/// kill window; COMMITTED and CLAIMED answers must reach their floors.
+/// A failed call fails a run unless it overlaps a kill window (any code)
+/// or a failover window (UNAVAILABLE or DEADLINE_EXCEEDED only);
+/// COMMITTED and CLAIMED answers must reach their floors.
 #[test]
-fn errors_count_outside_the_kill_windows_and_thin_runs_fail() {
-    let error = |invoked_ms, completed_ms| CallError {
+fn errors_count_outside_the_windows_and_thin_runs_fail() {
+    let error_with = |code, invoked_ms, completed_ms| CallError {
         client: 3,
         key: 12,
         call: Call::Commit { token: 7 },
         invoked_ms,
         completed_ms,
-        code: tonic::Code::Internal,
+        code,
         message: "boom".into(),
     };
+    let error =
+        |invoked_ms, completed_ms| error_with(tonic::Code::Internal, invoked_ms, completed_ms);
+    let unavailable =
+        |invoked_ms, completed_ms| error_with(tonic::Code::Unavailable, invoked_ms, completed_ms);
     let mut run = Run {
         history: Vec::new(),
         elapsed: Duration::from_secs(8),
@@ -392,15 +397,66 @@ fn errors_count_outside_the_kill_windows_and_thin_runs_fail() {
             error(2_100, 2_200), // starts as it closes
             error(500, 999),     // before
             error(2_101, 2_300), // after
+            unavailable(1_500, 1_600),
+            unavailable(2_500, 2_600),
         ],
         failovers: Vec::new(),
     };
-    let outside = run.errors_outside_kill_windows();
-    assert_eq!(outside, [&error(500, 999), &error(2_101, 2_300)]);
+    let outside = run.errors_outside_windows();
+    assert_eq!(
+        outside,
+        [
+            &error(500, 999),
+            &error(2_101, 2_300),
+            &unavailable(2_500, 2_600)
+        ]
+    );
     let named = outside[0].to_string();
     for part in ["Commit", "key 12", "Internal", "boom"] {
         assert!(named.contains(part), "{named}");
     }
+    // A failover from 3 000 ms, settled 4 000 ms later: UNAVAILABLE is
+    // excused until FAILOVER_SETTLE after that, INTERNAL never.
+    run.failovers.push(dedupd_reliability::failover::Failover {
+        killed: "127.0.0.1:7001".into(),
+        promoted: "127.0.0.1:7004".into(),
+        promotion: Duration::from_millis(2_500),
+        settled: Duration::from_millis(4_000),
+        killed_at_ms: 3_000,
+    });
+    let settle = dedupd_reliability::runner::FAILOVER_SETTLE.as_millis() as u64;
+    let closes = 7_001 + settle;
+    run.errors = vec![
+        unavailable(3_100, 3_200),
+        unavailable(closes, closes + 100),
+        unavailable(closes + 1, closes + 100),
+        error(3_100, 3_200),
+    ];
+    assert_eq!(
+        run.errors_outside_windows(),
+        [&unavailable(closes + 1, closes + 100), &error(3_100, 3_200)]
+    );
+    // Commits count after the last failover's window only.
+    let commit = Answer::Committed { already: false };
+    run.history.push(op(
+        0,
+        Call::Commit { token: 1 },
+        closes,
+        closes + 5,
+        commit.clone(),
+    ));
+    assert_eq!(run.committed_after_failovers(), 0);
+    run.history.push(op(
+        0,
+        Call::Commit { token: 1 },
+        closes + 1,
+        closes + 5,
+        commit,
+    ));
+    assert_eq!(run.committed_after_failovers(), 1);
+    run.history.clear();
+    run.failovers.clear();
+    run.errors.clear();
 
     let generations = generations(Duration::from_secs(8), Duration::from_millis(30));
     assert_eq!(generations, 267);
@@ -481,10 +537,10 @@ async fn a_real_history_on_sled_with_a_kill_is_linearizable() {
         })
         .count();
     assert!(claims >= 10, "leases ran out and were taken over: {claims}");
-    let errors = run.errors_outside_kill_windows();
+    let errors = run.errors_outside_windows();
     assert!(
         errors.is_empty(),
-        "INTERNAL, UNKNOWN or CANCELLED away from the SIGKILL: {}",
+        "failed calls away from the SIGKILL: {}",
         errors
             .iter()
             .map(ToString::to_string)
