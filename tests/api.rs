@@ -579,6 +579,7 @@ async fn reaper_removes_expired_records_from_disk() {
     })
     .await;
     let mut client = server.client().await;
+    let first_sent = std::time::Instant::now();
     for i in 0..50 {
         let id = format!("reap-{i}");
         let response = claim(&mut client, claim_request(&id)).await;
@@ -593,6 +594,9 @@ async fn reaper_removes_expired_records_from_disk() {
     if let common::TestStore::Redis { prefix, .. } = &*server.store {
         // Redis expires records itself, on its own clock: each one is set
         // to go when its retention ends, 60 s from its commit.
+        // (Each at most 60 s away, and less only by as long as it has been
+        // since the first commit was sent, however slow the machine, and
+        // the sidecar's measure of Redis's clock: a second at most here.)
         let mut redis = common::redis::connection().await;
         let keys = common::redis::keys(&format!("{prefix}:r")).await;
         assert_eq!(keys.len(), 50);
@@ -602,9 +606,10 @@ async fn reaper_removes_expired_records_from_disk() {
                 .query_async(&mut redis)
                 .await
                 .unwrap();
+            let since_first = first_sent.elapsed().as_millis() as i64;
             assert!(
-                (59_000..=60_000).contains(&ttl),
-                "{key} expires in {ttl} ms"
+                (60_000 - since_first - 1_000..=60_000).contains(&ttl),
+                "{key} expires in {ttl} ms, {since_first} ms after the first commit was sent"
             );
         }
     }
@@ -613,7 +618,8 @@ async fn reaper_removes_expired_records_from_disk() {
     // (Redis expires records itself: they already read as absent by the
     // machine's rule, and go by Redis's clock, as checked above.)
     if !server.store.expires_natively() {
-        for _ in 0..250 {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while std::time::Instant::now() < deadline {
             if server.store.records().await == 0 {
                 break;
             }

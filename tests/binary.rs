@@ -133,11 +133,11 @@ async fn every_acknowledged_commit_survives_kill_9() {
     }
 }
 
-/// SIGTERM while eight Claims wait for a disk sync (each sync slowed to
-/// 300 ms by the fault shim): the calls are drained — every one answered
-/// CLAIMED, none cut off — the process exits 0 within the grace having
-/// synced the store, the ready file is gone, and after a restart every one
-/// of those claims is there.
+/// SIGTERM while eight Claims wait for a disk sync (the sync held by the
+/// fault shim until the SIGTERM is in): the calls are drained — every one
+/// answered CLAIMED, none cut off — the process exits 0 within the grace
+/// having synced the store, the ready file is gone, and after a restart
+/// every one of those claims is there.
 // Multi-threaded: `terminate` blocks this thread while the client's
 // connection tasks must go on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -145,7 +145,9 @@ async fn sigterm_drains_syncs_and_exits_zero() {
     let disk = FaultyDisk::new();
     let mut sidecar = disk.start(&["--shutdown-grace", "10s"]);
     let client = sidecar.client().await;
-    disk.switch_on(Fault::SlowSync);
+    // The syncs hang (not merely slow down): however slow the machine, no
+    // claim can be answered before the SIGTERM.
+    disk.switch_on(Fault::HangSync);
     let in_flight: Vec<_> = (0..8)
         .map(|i| {
             let mut client = client.clone();
@@ -158,13 +160,35 @@ async fn sigterm_drains_syncs_and_exits_zero() {
             })
         })
         .collect();
-    disk.until_tripped(Fault::SlowSync).await;
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    disk.until_tripped(Fault::HangSync).await;
+    // The other claims reach the sidecar (a request sent before the
+    // SIGTERM is served even if it arrives after: HTTP/2's graceful GOAWAY).
+    tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(
         in_flight.iter().all(|call| !call.is_finished()),
         "the claims must still wait for their sync at SIGTERM"
     );
+    // The disk comes back once the SIGTERM is in: the drain finds the
+    // claims still waiting.
+    let release = std::thread::spawn({
+        let (signalled, trigger) = (
+            sidecar.logged("SIGTERM received"),
+            disk.trigger(Fault::HangSync),
+        );
+        move || {
+            let started = std::time::Instant::now();
+            while !signalled() {
+                assert!(
+                    started.elapsed() < Duration::from_secs(10),
+                    "no SIGTERM logged"
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            std::fs::remove_file(trigger).unwrap();
+        }
+    });
     let (code, log) = terminate(&mut sidecar, Duration::from_secs(10 + 2 + 2));
+    release.join().unwrap();
     assert_eq!(code, Some(0), "{log}");
     assert!(log.contains("SIGTERM received"), "{log}");
     assert!(log.contains("store synced"), "{log}");
@@ -182,7 +206,6 @@ async fn sigterm_drains_syncs_and_exits_zero() {
     drop(sidecar);
 
     // What was claimed before and during SIGTERM is there after the restart.
-    disk.switch_off(Fault::SlowSync);
     let sidecar = Sidecar::start(&disk.data());
     let mut client = sidecar.client().await;
     for i in 0..8 {

@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::{collections::HashMap, net::SocketAddr, sync::Arc, time::Duration};
+use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use common::*;
 use dedupd::{
@@ -33,29 +33,6 @@ async fn stop<S: Store + TestSpace>(server: TestServer<S>) {
     let socket = server.socket.clone().expect("a unix socket");
     server.stop().await.expect("clean stop");
     assert!(!socket.exists(), "the socket file is removed on shutdown");
-}
-
-async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let (status, _, body) = http_exchange(addr, path, "").await;
-    (status, body)
-}
-
-/// A GET with more header lines (each ending in `\r\n`): the status, the
-/// head (lowercased) and the body.
-async fn http_exchange(addr: SocketAddr, path: &str, headers: &str) -> (u16, String, String) {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let request =
-        format!("GET {path} HTTP/1.1\r\nHost: dedupd\r\nConnection: close\r\n{headers}\r\n");
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.unwrap();
-    let status = response
-        .split(' ')
-        .nth(1)
-        .and_then(|code| code.parse().ok())
-        .expect("status line");
-    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
-    (status, head.to_ascii_lowercase(), body.to_owned())
 }
 
 /// `name{labels} value` lines of an OpenMetrics text, keyed by `name{labels}`.
@@ -105,7 +82,7 @@ async fn metrics_count_real_calls_and_probes_answer() {
         .await
         .unwrap();
 
-    let (status, text) = http_get(server.ops.unwrap(), "/metrics").await;
+    let (status, text) = common::ops_http::get(server.ops.unwrap(), "/metrics").await;
     assert_eq!(status, 200);
     let metrics = samples(&text);
     let get = |series: &str| {
@@ -151,9 +128,22 @@ async fn metrics_count_real_calls_and_probes_answer() {
     assert_eq!(get("dedupd_records"), 2.0);
     assert!(get("dedupd_store_disk_bytes") > 0.0);
 
-    assert_eq!(http_get(server.ops.unwrap(), "/healthz").await.0, 200);
-    assert_eq!(http_get(server.ops.unwrap(), "/readyz").await.0, 200);
-    assert_eq!(http_get(server.ops.unwrap(), "/nope").await.0, 404);
+    assert_eq!(
+        common::ops_http::get(server.ops.unwrap(), "/healthz")
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        common::ops_http::get(server.ops.unwrap(), "/readyz")
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        common::ops_http::get(server.ops.unwrap(), "/nope").await.0,
+        404
+    );
     stop(server).await;
 }
 
@@ -413,7 +403,7 @@ async fn unknown_methods_share_one_metric_label() {
             .unwrap_err();
         assert_eq!(status.code(), Code::Unimplemented);
     }
-    let (_, text) = http_get(server.ops.unwrap(), "/metrics").await;
+    let (_, text) = common::ops_http::get(server.ops.unwrap(), "/metrics").await;
     let metrics = samples(&text);
     assert_eq!(
         metrics.get(r#"dedupd_rpc_duration_seconds_count{rpc="other"}"#),
@@ -574,7 +564,8 @@ async fn metrics_speak_openmetrics_to_who_asks_and_the_text_format_to_others() {
     let ops = server.ops.unwrap();
     let prometheus_accept = "Accept: application/openmetrics-text;version=1.0.0,\
         application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1\r\n";
-    let (status, head, openmetrics) = http_exchange(ops, "/metrics", prometheus_accept).await;
+    let (status, head, openmetrics) =
+        common::ops_http::exchange(ops, "/metrics", prometheus_accept).await;
     assert_eq!(status, 200);
     assert!(
         head.contains("content-type: application/openmetrics-text"),
@@ -583,7 +574,7 @@ async fn metrics_speak_openmetrics_to_who_asks_and_the_text_format_to_others() {
     assert!(openmetrics.ends_with("# EOF\n"), "{openmetrics}");
     assert!(openmetrics.contains("# TYPE dedupd_outcomes counter\n"));
 
-    let (status, head, text) = http_exchange(ops, "/metrics", "").await;
+    let (status, head, text) = common::ops_http::exchange(ops, "/metrics", "").await;
     assert_eq!(status, 200);
     assert!(
         head.contains("content-type: text/plain; version=0.0.4"),
@@ -610,7 +601,7 @@ async fn the_state_and_refusals_are_metrics() {
     })
     .await;
     let ops = server.ops.unwrap();
-    let (_, text) = http_get(ops, "/metrics").await;
+    let (_, text) = common::ops_http::get(ops, "/metrics").await;
     let metrics = samples(&text);
     for (series, value) in [
         ("dedupd_serving", 1.0),
@@ -650,7 +641,7 @@ async fn the_state_and_refusals_are_metrics() {
             .map(|code| code.as_bytes()),
         Some(&b"4"[..])
     );
-    let (_, text) = http_get(ops, "/metrics").await;
+    let (_, text) = common::ops_http::get(ops, "/metrics").await;
     assert_eq!(
         samples(&text).get(r#"dedupd_refusals_total{reason="read_timeout"}"#),
         Some(&1.0),

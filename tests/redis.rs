@@ -138,19 +138,21 @@ async fn an_unreachable_redis_is_unavailable_and_recovers_by_itself() {
         .await
         .unwrap();
 
-    // Gone mid-run: within the timeout, UNAVAILABLE; the tier goes off
+    // Gone mid-run: within the timeout (1 s; allowed 8 for a loaded
+    // machine, still short of the 10 s request timeout that would answer
+    // were the store's own timeout missing), UNAVAILABLE; the tier goes off
     // (it can no longer hear deletions) rather than answer from memory.
     forwarder.cut();
     let started = std::time::Instant::now();
     let refused = client.claim(claim_request("pay-2")).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
     assert!(
-        started.elapsed() < Duration::from_secs(3),
+        started.elapsed() < Duration::from_secs(8),
         "{:?}",
         started.elapsed()
     );
     until_health(server.addr, NOT_SERVING).await;
-    let off_by = std::time::Instant::now() + 2 * shared::FORGET_WINDOW;
+    let off_by = std::time::Instant::now() + shared::FORGET_WINDOW;
     while tiered.tier_enabled() {
         assert!(std::time::Instant::now() < off_by, "the tier stayed on");
         tokio::time::sleep(Duration::from_millis(20)).await;

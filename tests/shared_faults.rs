@@ -245,17 +245,31 @@ async fn clocks_that_disagree_change_nothing(space: Space) {
     assert_eq!(outcome(&still_held), pb::ClaimOutcome::InProgress);
 
     // Leases still end, by the store's clock: a 2 s lease through A is
-    // recovered through the slow pod B once it ended, not before.
+    // recovered through the slow pod B once it ended, not before (asked
+    // until it is, however slow the machine: IN_PROGRESS changes nothing).
+    let sent = Instant::now();
     let short = claim(&mut on_a, claim_for("short", 2, 3600)).await;
     assert_eq!(outcome(&short), pb::ClaimOutcome::Claimed);
     let early = claim(&mut on_b, claim_for("short", 2, 3600)).await;
     assert_eq!(outcome(&early), pb::ClaimOutcome::InProgress);
-    tokio::time::sleep(Duration::from_millis(2500)).await;
-    let recovered = claim(&mut on_b, claim_for("short", 2, 3600)).await;
-    assert_eq!(
-        outcome(&recovered),
-        pb::ClaimOutcome::Claimed,
-        "the slow pod never sees the lease end: {recovered:?}"
+    let recovered = loop {
+        let again = claim(&mut on_b, claim_for("short", 2, 3600)).await;
+        match outcome(&again) {
+            pb::ClaimOutcome::InProgress => assert!(
+                sent.elapsed() < Duration::from_secs(30),
+                "the slow pod never sees the lease end: {again:?}"
+            ),
+            pb::ClaimOutcome::Claimed => break again,
+            other => panic!("{other:?}: {again:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    // The lease began after `sent`: it cannot have ended 2 s before that
+    // (less the sidecars' clock uncertainty, 500 ms at most).
+    assert!(
+        sent.elapsed() >= Duration::from_millis(1500),
+        "recovered {:?} after a 2 s lease was claimed",
+        sent.elapsed()
     );
     assert!(recovered.recovered);
     assert!(recovered.fencing_token > short.fencing_token);
@@ -293,9 +307,10 @@ async fn health_by(addr: SocketAddr, status: i32, since: Instant, deadline: Dura
 }
 
 /// The network to the store goes silent (sockets open, nothing answers):
-/// calls are UNAVAILABLE within --store-timeout + 1 s, health is NOT_SERVING
-/// within 5 s, and serving again by itself within 10 s of the network's
-/// return.
+/// calls are UNAVAILABLE by --store-timeout (well before the request
+/// timeout), health is NOT_SERVING, and serving again by itself once the
+/// network is back (each bounded, with room for a loaded machine; the
+/// figures are printed).
 async fn a_silent_store_is_bounded(space: Space) {
     let dir = tempfile::tempdir().unwrap();
     let forwarder = Forwarder::start(space.port()).await;
@@ -318,16 +333,18 @@ async fn a_silent_store_is_bounded(space: Space) {
             .expect_err("no answer while the store is silent");
         let took = started.elapsed();
         assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+        // The store timeout (2 s) ended it, not the request timeout (10 s):
+        // allowed up to 8 s for a loaded machine.
         assert!(
-            took <= Duration::from_secs(3),
+            took <= Duration::from_secs(8),
             "attempt {attempt}: UNAVAILABLE only after {took:?} (--store-timeout 2s)"
         );
     }
-    let unhealthy = health_by(sidecar.addr, NOT_SERVING, silenced, Duration::from_secs(5)).await;
+    let unhealthy = health_by(sidecar.addr, NOT_SERVING, silenced, Duration::from_secs(15)).await;
 
     forwarder.restore();
     let restored = Instant::now();
-    let healthy = health_by(sidecar.addr, SERVING, restored, Duration::from_secs(10)).await;
+    let healthy = health_by(sidecar.addr, SERVING, restored, Duration::from_secs(20)).await;
     assert_eq!(
         outcome(&claim(&mut client, claim_for("after", 30, 3600)).await),
         pb::ClaimOutcome::Claimed
@@ -579,7 +596,9 @@ async fn store_replicas_waits_for_a_real_replica() {
         .expect_err("a write no replica has is not acknowledged");
     let took = started.elapsed();
     assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
-    assert!(took <= Duration::from_secs(3), "UNAVAILABLE after {took:?}");
+    // The store timeout (2 s), not the request timeout (10 s): up to 8 s
+    // for a loaded machine.
+    assert!(took <= Duration::from_secs(8), "UNAVAILABLE after {took:?}");
     assert!(refused.message().contains("replicas"), "{refused:?}");
     // An answer that only reads waits too: a DUPLICATE of a commit is not
     // given while no replica confirms what the primary holds (a failover
@@ -590,7 +609,7 @@ async fn store_replicas_waits_for_a_real_replica() {
         .await
         .expect_err("a read is not answered past the replicas either");
     assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
-    assert!(started.elapsed() <= Duration::from_secs(3));
+    assert!(started.elapsed() <= Duration::from_secs(8));
 }
 
 /// PostgreSQL's fencing sequence reset below tokens already issued (a
@@ -632,9 +651,19 @@ async fn fencing_tokens_never_go_back_when_the_sequence_does() {
         ))
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(1300)).await;
-
-    let recovered = claim(&mut client, claim_for("expiring", 30, 3600)).await;
+    // The 1 s lease of "expiring" ends: asked until it has (bounded).
+    let asked = Instant::now();
+    let recovered = loop {
+        let again = claim(&mut client, claim_for("expiring", 30, 3600)).await;
+        if outcome(&again) != pb::ClaimOutcome::InProgress {
+            break again;
+        }
+        assert!(
+            asked.elapsed() < Duration::from_secs(30),
+            "a 1 s lease still held"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
     assert_eq!(outcome(&recovered), pb::ClaimOutcome::Claimed);
     assert!(recovered.recovered);
     assert!(

@@ -99,10 +99,7 @@ async fn a_claim_is_a_span_of_the_callers_trace(
     assert_eq!(again.outcome(), pb::ClaimOutcome::Duplicate);
 
     let claimed = collector_spans
-        .until("for the first Claim", |received| {
-            received.span.name == "dedup.v1.ClaimAndCommit/Claim"
-                && hex(&received.span.trace_id) == TRACE_ID
-        })
+        .until_in_trace("dedup.v1.ClaimAndCommit/Claim", TRACE_ID)
         .await;
     assert_eq!(hex(&claimed.span.parent_span_id), CALLER_SPAN_ID);
     assert_eq!(claimed.span.kind, SPAN_KIND_SERVER);
@@ -125,10 +122,7 @@ async fn a_claim_is_a_span_of_the_callers_trace(
     );
 
     let duplicate = collector_spans
-        .until("for the repeated Claim", |received| {
-            received.span.name == "dedup.v1.ClaimAndCommit/Claim"
-                && hex(&received.span.trace_id) == again_trace
-        })
+        .until_in_trace("dedup.v1.ClaimAndCommit/Claim", again_trace)
         .await;
     assert_eq!(duplicate.text("dedup.outcome"), Some("duplicate"));
     assert_eq!(

@@ -1927,12 +1927,17 @@ mod tests {
             0,
             SlotAddr::Master,
         )));
-        // Silent for 1.5 s: less than cluster-node-timeout, so no failover.
+        // Its clients paused (the cluster bus is not a client: no
+        // failover) for far longer than the reading may take (its store
+        // timeout: 500 ms), so a slow machine cannot mistake the paused
+        // node's late answer for another's. (A pause of ALL cannot be lifted
+        // early: CLIENT UNPAUSE waits with the rest.)
+        let pause = Duration::from_secs(6);
         inspect
             .route(
                 redis::cmd("CLIENT")
                     .arg("PAUSE")
-                    .arg(1500)
+                    .arg(pause.as_millis() as u64)
                     .arg("ALL")
                     .clone(),
                 slot_0.clone(),
@@ -1942,18 +1947,27 @@ mod tests {
         let asked = std::time::Instant::now();
         let reading = store.read_clock().await;
         let waited = asked.elapsed();
-        let _ = inspect
-            .route(redis::cmd("CLIENT").arg("UNPAUSE").clone(), slot_0)
-            .await;
-        let reading = reading.expect("another primary told the time");
-        assert!(
-            waited < Duration::from_millis(1400),
-            "answered after {waited:?}: by the paused node"
-        );
         let wall = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
             .as_micros() as u64;
+        // The next test finds the node answering again.
+        let _ = inspect
+            .route(redis::cmd("CLIENT").arg("UNPAUSE").clone(), slot_0.clone())
+            .await;
+        while inspect
+            .route(redis::cmd("PING").clone(), slot_0.clone())
+            .await
+            .is_err()
+        {
+            assert!(asked.elapsed() < pause * 3, "slot 0's primary stays paused");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let reading = reading.expect("another primary told the time");
+        assert!(
+            waited < pause - Duration::from_secs(1),
+            "answered after {waited:?}: by the paused node"
+        );
         assert!(
             reading.store_micros.abs_diff(wall) < 5_000_000,
             "{} is not this machine's time ({wall})",

@@ -1,4 +1,4 @@
-//! A data directory whose disk fails, hangs or slows down on demand: the real
+//! A data directory whose disk fails or hangs on demand: the real
 //! binary run under `tests/fixtures/faultshim.c` (an LD_PRELOAD shim, built
 //! once per test process with the C compiler every Rust toolchain on Linux
 //! links with), which also records every file it saw synced.
@@ -44,8 +44,6 @@ pub enum Fault {
     HangSync,
     /// Writes block until the fault is switched off.
     HangWrite,
-    /// Each sync first sleeps 300 ms.
-    SlowSync,
     /// unlink blocks until the fault is switched off.
     HangUnlink,
 }
@@ -58,7 +56,6 @@ impl Fault {
             Fault::ReadOnly => "fault-erofs",
             Fault::HangSync => "fault-hang-sync",
             Fault::HangWrite => "fault-hang-write",
-            Fault::SlowSync => "fault-slow-sync",
             Fault::HangUnlink => "fault-hang-unlink",
         }
     }
@@ -128,7 +125,13 @@ impl FaultyDisk {
 
     /// Switches `fault` off (a hung call goes on).
     pub fn switch_off(&self, fault: Fault) {
-        std::fs::remove_file(self.dir.path().join(fault.trigger())).unwrap();
+        std::fs::remove_file(self.trigger(fault)).unwrap();
+    }
+
+    /// The file whose existence switches `fault` on, to switch it off from
+    /// another thread.
+    pub fn trigger(&self, fault: Fault) -> PathBuf {
+        self.dir.path().join(fault.trigger())
     }
 
     /// Whether `fault` has acted at least once (the shim marks it before

@@ -6,6 +6,7 @@
 
 pub mod faultshim;
 pub mod forwarder;
+pub mod ops_http;
 pub mod otlp;
 pub mod postgres;
 pub mod redis;

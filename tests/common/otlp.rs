@@ -103,6 +103,15 @@ impl Spans {
         self.0.lock().unwrap().clone()
     }
 
+    /// [`Spans::until`] the span named `name` in the trace `trace_id`
+    /// (hex) arrives.
+    pub async fn until_in_trace(&self, name: &str, trace_id: &str) -> Received {
+        self.until(&format!("{name} in trace {trace_id}"), |received| {
+            received.span.name == name && hex(&received.span.trace_id) == trace_id
+        })
+        .await
+    }
+
     /// Waits (bounded: 20 s, then panics with what arrived) until a span
     /// matches `wanted`, and returns it.
     pub async fn until(&self, what: &str, wanted: impl Fn(&Received) -> bool) -> Received {

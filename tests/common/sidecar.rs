@@ -123,15 +123,11 @@ impl Sidecar {
     /// One sample of the sidecar's `/metrics`: `name` is the series as
     /// printed (with its labels, if any).
     pub async fn metric(&self, name: &str) -> Option<f64> {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let ops: SocketAddr = self.ready["metrics"].as_str()?.parse().ok()?;
-        let mut stream = tokio::net::TcpStream::connect(ops).await.ok()?;
-        let request = "GET /metrics HTTP/1.1\r\nHost: dedupd\r\nConnection: close\r\n\r\n";
-        stream.write_all(request.as_bytes()).await.ok()?;
-        let mut response = String::new();
-        stream.read_to_string(&mut response).await.ok()?;
-        response
-            .lines()
+        let (_, _, page) = super::ops_http::try_exchange(ops, "/metrics", "")
+            .await
+            .ok()?;
+        page.lines()
             .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
             .and_then(|value| value.trim().parse().ok())
     }
@@ -144,6 +140,13 @@ impl Sidecar {
     /// What the process logged so far.
     pub fn log_text(&self) -> String {
         self.log.lock().unwrap().join("\n")
+    }
+
+    /// A function that says whether the process has logged a line
+    /// containing `text` yet, for another thread to wait on.
+    pub fn logged(&self, text: &str) -> impl Fn() -> bool + Send + 'static {
+        let (log, text) = (Arc::clone(&self.log), text.to_owned());
+        move || log.lock().unwrap().iter().any(|line| line.contains(&text))
     }
 
     /// Everything the process logged, once it has exited: waits (bounded)
