@@ -8,9 +8,10 @@ Starts, on loopback: a stub upstream service; sidecar A on the embedded
 sled store with the HTTP idempotency proxy in front of the stub; sidecar B
 on Redis (behind its local tier); a Prometheus (Debian's `prometheus`)
 scraping both every second. Drives claims, commits, duplicates and keyed
-HTTP requests through them for a while, then evaluates each panel's query
-(and the pod variable's) through Prometheus's HTTP API: each must return at
-least one series with a finite value. Stops everything it started.
+HTTP requests through them for a while (every answer checked: a load that
+fails ends the check), then evaluates each panel's query (and the pod
+variable's) through Prometheus's HTTP API: each must return at least one
+series with a finite value above 0. Stops everything it started.
 """
 
 import json
@@ -71,38 +72,65 @@ def sidecar(binary, work, name, extra, processes):
     return wait_for(ready, f"sidecar {name}")
 
 
-def cli(binary, address, *args):
+def cli(binary, address, expected_exit, *args):
+    """One `dedupd` client command; its JSON answer. Any exit code but the
+    expected one (README: 0 CLAIMED, 10 DUPLICATE) is an error."""
     done = subprocess.run([binary, *args[:1], "--addr", f"http://{address}", "--json", *args[1:]],
                           capture_output=True, text=True, timeout=10)
-    return json.loads(done.stdout) if done.stdout.strip() else {}
+    if done.returncode != expected_exit:
+        raise RuntimeError(f"dedupd {' '.join(args)} exited {done.returncode} "
+                           f"(expected {expected_exit}): {done.stdout}{done.stderr}")
+    return json.loads(done.stdout)
 
 
 def drive(binary, address, stop, tag):
-    """Claims, commits and claims again (a DUPLICATE), in two namespaces."""
+    """Claims, commits and claims again (a DUPLICATE), in two namespaces;
+    every answer checked."""
     n = 0
     while not stop.is_set():
         n += 1
         namespace = random.choice(["orders", "payments"])
         key = f"{tag}-{n}"
-        claimed = cli(binary, address, "claim", "-n", namespace, key)
-        if claimed.get("outcome") == "CLAIMED":
-            cli(binary, address, "commit", "-n", namespace, "--lease-token", claimed["lease_token"],
-                "--response", "done", "--retention", "2m", key)
-        cli(binary, address, "claim", "-n", namespace, key)
+        claimed = cli(binary, address, 0, "claim", "-n", namespace, key)
+        if claimed["outcome"] != "CLAIMED":
+            raise RuntimeError(f"a fresh key was not CLAIMED: {claimed}")
+        committed = cli(binary, address, 0, "commit", "-n", namespace, "--lease-token",
+                        claimed["lease_token"], "--response", "done", "--retention", "2m", key)
+        if committed["outcome"] != "COMMITTED":
+            raise RuntimeError(f"the commit was not COMMITTED: {committed}")
+        again = cli(binary, address, 10, "claim", "-n", namespace, key)
+        if again["outcome"] != "DUPLICATE":
+            raise RuntimeError(f"the redelivery was not DUPLICATE: {again}")
 
 
 def keyed_requests(proxy, stop):
-    """POSTs with an Idempotency-Key through the proxy, each sent twice."""
+    """POSTs with an Idempotency-Key through the proxy, each sent twice: the
+    first answered by the stub (201), the second replayed."""
     n = 0
     while not stop.is_set():
         n += 1
-        for _ in range(2):
+        for attempt in range(2):
             request = urllib.request.Request(
                 f"http://{proxy}/orders", data=b'{"amount":1}', method="POST",
                 headers={"Idempotency-Key": f"dash-{n}", "Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=10) as answer:
                 answer.read()
+                replayed = answer.headers.get("Idempotent-Replayed") == "true"
+                if answer.status != 201 or replayed != (attempt == 1):
+                    raise RuntimeError(f"dash-{n}, attempt {attempt + 1}: {answer.status}, "
+                                       f"Idempotent-Replayed: {answer.headers.get('Idempotent-Replayed')}")
         time.sleep(0.02)
+
+
+def load_thread(target, args, failures):
+    """A thread running `target(*args)`; an exception it raises is kept in
+    `failures` (and ends the check), never lost with the thread."""
+    def run():
+        try:
+            target(*args)
+        except BaseException as error:  # noqa: BLE001 - re-raised by the main thread
+            failures.append(f"{target.__name__}: {error!r}")
+    return threading.Thread(target=run, daemon=True)
 
 
 def hpack_literal(name, value):
@@ -171,19 +199,37 @@ def main():
              f"--web.listen-address={prometheus}"],
             stdout=open(os.path.join(work, "prometheus.log"), "w"), stderr=subprocess.STDOUT))
 
+        failures = []
         load = [
-            threading.Thread(target=drive, args=(binary, ready_a["grpc"][0], stop, "a"), daemon=True),
-            threading.Thread(target=drive, args=(binary, ready_b["grpc"][0], stop, "b"), daemon=True),
-            threading.Thread(target=keyed_requests, args=(ready_a["http_proxy"], stop), daemon=True),
+            load_thread(drive, (binary, ready_a["grpc"][0], stop, "a"), failures),
+            load_thread(drive, (binary, ready_b["grpc"][0], stop, "b"), failures),
+            load_thread(keyed_requests, (ready_a["http_proxy"], stop), failures),
         ]
         for thread in load:
             thread.start()
+        # The refusals are made once Prometheus scrapes both sidecars, so the
+        # counter's rise falls inside what it saw (a rate needs two samples).
+        scraping = time.monotonic() + 30
+        while True:
+            try:
+                if len(query(prometheus, 'up{job="dedupd"} == 1')) == 2:
+                    break
+            except OSError:  # Prometheus not listening yet
+                pass
+            if time.monotonic() > scraping:
+                raise SystemExit("Prometheus did not scrape both sidecars within 30 s")
+            time.sleep(0.2)
+        time.sleep(1.5)
         for _ in range(3):
             stalled_call(ready_a["grpc"][0])
-        time.sleep(LOAD_SECONDS)
+        deadline = time.monotonic() + LOAD_SECONDS
+        while time.monotonic() < deadline and not failures:
+            time.sleep(0.2)
         stop.set()
         for thread in load:
             thread.join()
+        if failures:
+            raise SystemExit("the load failed: " + "; ".join(failures))
         time.sleep(2)  # the last scrapes
 
         up = query(prometheus, 'up{job="dedupd"} == 1')
@@ -196,13 +242,15 @@ def main():
                 expr = target["expr"]
                 for variable, value in substitutions.items():
                     expr = expr.replace(variable, value)
+                # Every panel is driven by the load above: a query whose
+                # every series is 0 (or NaN) shows nothing happened.
                 result = query(prometheus, expr)
-                finite = [series for series in result
-                          if math.isfinite(float(series["value"][1]))]
-                if not finite:
-                    raise SystemExit(f'panel "{panel["title"]}": {expr} returned no finite value: {result}')
+                driven = [series for series in result
+                          if math.isfinite(float(series["value"][1])) and float(series["value"][1]) > 0]
+                if not driven:
+                    raise SystemExit(f'panel "{panel["title"]}": {expr} returned no value above 0: {result}')
                 checked += 1
-                print(f'ok  {panel["title"]} [{target["refId"]}]: {len(finite)} series')
+                print(f'ok  {panel["title"]} [{target["refId"]}]: {len(driven)} series above 0')
         # Series that exist from the start at 0 (the refusal reasons) pass
         # the test above by themselves: the stalled calls must have counted.
         if not query(prometheus, 'dedupd_refusals_total{reason="read_timeout"} > 0'):

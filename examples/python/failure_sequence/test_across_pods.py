@@ -98,8 +98,9 @@ def until(predicate, seconds, what):
 class OwnRedisCluster:
     """A Redis Cluster of the test's own: three primaries and a replica of
     each (`redis-cli --cluster create --cluster-replicas 1`), every node
-    durable (`appendfsync always`) and failed over 2 s after it stops
-    answering."""
+    durable (`appendfsync always`) and failed over 5 s after it stops
+    answering (less, and a node starved of CPU on a loaded machine is
+    failed over when no test asked for it)."""
 
     def __init__(self, workdir):
         self.dir = pathlib.Path(workdir) / "cluster"
@@ -125,7 +126,7 @@ class OwnRedisCluster:
         self.processes[port] = subprocess.Popen(
             ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
              "--cluster-enabled", "yes", "--cluster-port", str(bus), "--cluster-config-file", "nodes.conf",
-             "--cluster-node-timeout", "2000", "--appendonly", "yes", "--appendfsync", "always",
+             "--cluster-node-timeout", "5000", "--appendonly", "yes", "--appendfsync", "always",
              "--dir", str(node)],
             stdout=open(node / "redis.log", "ab"),
         )
@@ -152,18 +153,31 @@ class OwnRedisCluster:
                 return port
         raise AssertionError("no node of the cluster answers")
 
-    def primary_of(self, key):
-        """The port of the primary holding `key`'s slot."""
-        via = self.answering()
-        slot = int(redis_cli(via, "cluster", "keyslot", key).strip())
-        for line in redis_cli(via, "cluster", "nodes").splitlines():
+    def primaries(self):
+        """{port: set of slots} of every primary that holds slots and is
+        not failed."""
+        owners = {}
+        for line in redis_cli(self.answering(), "cluster", "nodes").splitlines():
             fields = line.split()
             if "master" not in fields[2] or "fail" in fields[2]:
                 continue
+            slots = owners.setdefault(int(fields[1].split(":")[1].split("@")[0]), set())
             for owned in fields[8:]:
                 low, _, high = owned.partition("-")
-                if low.isdigit() and int(low) <= slot <= int(high or low):
-                    return int(fields[1].split(":")[1].split("@")[0])
+                if low.isdigit():
+                    slots.update(range(int(low), int(high or low) + 1))
+        return owners
+
+    def slots_of(self, port):
+        """The slots the primary on `port` holds."""
+        return self.primaries().get(port, set())
+
+    def primary_of(self, key):
+        """The port of the primary holding `key`'s slot."""
+        slot = int(redis_cli(self.answering(), "cluster", "keyslot", key).strip())
+        for port, slots in self.primaries().items():
+            if slot in slots:
+                return port
         raise AssertionError(f"no primary holds slot {slot}")
 
     def fail_over(self, key):
@@ -351,44 +365,3 @@ def test_redeliveries_across_pods_never_double_process(shared_store, pods):
                 assert record["found"] is True and record["record"]["state"] == "COMMITTED", record
     finally:
         broker.close()
-
-
-def test_a_cluster_failover_without_store_replicas_reports_what_it_lost(tmp_path, capsys):
-    """Without --store-replicas a primary answers a Commit before any replica
-    has it, and a failover right after may lose it: the redelivery would then
-    be processed again. A burst of commits through one sidecar, the primary
-    of the last one SIGKILLed at once and its replica promoted: the lost
-    ones are counted and reported (the reason to set --store-replicas; with
-    it, the across-pods test above loses none). Whatever was kept is intact."""
-    import dedupd
-
-    cluster = OwnRedisCluster(tmp_path)
-    try:
-        schema = f"dedupd_loss_{uuid.uuid4().hex[:12]}"
-        pod = Pod("pod", "redis", cluster.url, schema, tmp_path)
-        ids = [f"pay-{uuid.uuid4().hex}" for _ in range(300)]
-        client = dedupd.Client(pod.address, namespace="payments")
-        for correlation_id in ids:
-            with client.claim(correlation_id) as claim:
-                assert not claim.duplicate
-                client.commit(claim, b"done")
-        key_of = lambda correlation_id: f"{schema}:r:payments/{correlation_id}"  # noqa: E731
-        killed = cluster.primary_of(key_of(ids[-1]))
-        on_killed = [i for i in ids if cluster.primary_of(key_of(i)) == killed]
-        cluster.fail_over(key_of(ids[-1]))
-        pod.until_serving()
-        lost = []
-        for correlation_id in ids:
-            record = pod.lookup(correlation_id)
-            if record["found"]:
-                assert record["record"]["state"] == "COMMITTED", record
-            else:
-                lost.append(correlation_id)
-        # Only the failed-over primary's records can be gone.
-        assert set(lost) <= set(on_killed), lost
-        with capsys.disabled():
-            print(f"\nwithout --store-replicas: {len(lost)} of {len(on_killed)} acknowledged commits "
-                  f"on the failed-over primary lost ({len(ids)} in all)")
-        pod.stop()
-    finally:
-        cluster.stop()
