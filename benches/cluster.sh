@@ -14,26 +14,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-duration=5s repeats=2
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --duration) duration=$2; shift 2 ;;
-    --repeats) repeats=$2; shift 2 ;;
-    *) echo "unknown option $1" >&2; exit 64 ;;
-  esac
-done
+. benches/lib.sh
+bench_options 5s 2 "$@"
+[ ${#bench_rest[@]} -eq 0 ] || bench_unknown "${bench_rest[0]}"
 command -v redis-server >/dev/null && command -v redis-cli >/dev/null \
   || { echo "redis-server and redis-cli must be on PATH" >&2; exit 1; }
 
-cargo build --release --locked --quiet --workspace
-work=$(mktemp -d)
-cleanup() {
+bench_build
+bench_on_exit() {
   .ci/redis-cluster stop "$work/cluster" 2>/dev/null || true
   [ -e "$work/primary.pid" ] && kill "$(cat "$work/primary.pid")" 2>/dev/null || true
   pkill -f "dedupd --listen 127.0.0.1:5202" 2>/dev/null || true
-  sleep 0.5; rm -rf "$work" 2>/dev/null || true
+  sleep 0.5
 }
-trap cleanup EXIT
 
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 redis-server --daemonize yes --port "$port" --bind 127.0.0.1 --dir "$work" --save "" \

@@ -14,14 +14,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-duration=3s repeats=3 records=1000000 out=BENCHMARKS.md
+. benches/lib.sh
+bench_options 3s 3 "$@"
+records=1000000 out=BENCHMARKS.md
+set -- "${bench_rest[@]}"
 while [ $# -gt 0 ]; do
   case "$1" in
-    --duration) duration=$2; shift 2 ;;
-    --repeats) repeats=$2; shift 2 ;;
     --records) records=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
-    *) echo "unknown option $1" >&2; exit 64 ;;
+    *) bench_unknown "$1" ;;
   esac
 done
 
@@ -35,18 +36,10 @@ plotting_python() {
 }
 plotting_python >/dev/null
 
-cargo build --release --locked --quiet --workspace
-bin=target/release/dedupd
-bench=target/release/dedupd-bench
-work=$(mktemp -d)
-pids=()
-cleanup() {
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
+bench_build
+bench_on_exit() {
   psql "$pg_url" -qc "DROP SCHEMA IF EXISTS ${pg_schema:-none} CASCADE" >/dev/null 2>&1 || true
-  rm -rf "$work"
 }
-trap cleanup EXIT
 
 wait_port() { # port
   for _ in $(seq 1 200); do

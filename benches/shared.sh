@@ -12,26 +12,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-duration=5s repeats=3
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --duration) duration=$2; shift 2 ;;
-    --repeats) repeats=$2; shift 2 ;;
-    *) echo "unknown option $1" >&2; exit 64 ;;
-  esac
-done
-
-cargo build --release --locked --quiet --workspace
-bin=target/release/dedupd
-bench=target/release/dedupd-bench
-work=$(mktemp -d)
-pids=()
-cleanup() {
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
+. benches/lib.sh
+bench_options 5s 3 "$@"
+[ ${#bench_rest[@]} -eq 0 ] || bench_unknown "${bench_rest[0]}"
+bench_build
 command -v redis-server >/dev/null || { echo "redis-server is not on PATH" >&2; exit 1; }
 
 redis-server --port 51014 --bind 127.0.0.1 --dir "$work" --save "" \
