@@ -274,6 +274,8 @@ async fn soak(args: SoakArgs) -> ExitCode {
                 "cpu_us_per_call": range(|s| s.cpu_us_per_call),
                 "calls_per_s": range(|s| s.calls_per_s),
             },
+            "longest_call_us": soak.samples.iter().map(|s| s.longest_us).max(),
+            "reclaimed_after_their_retention": soak.reclaimed,
             "commits_acknowledged": soak.committed,
             "checked_present_after_sigkill": soak.checked_present,
             "checked_expired": soak.checked_expired,

@@ -12,7 +12,7 @@
 //! look keys up, in turn.
 
 use std::{
-    collections::{BTreeMap, VecDeque},
+    collections::{BTreeMap, HashSet, VecDeque},
     io::Write,
     path::Path,
     sync::{Arc, Mutex},
@@ -64,6 +64,8 @@ pub struct Sample {
     pub disk_bytes: u64,
     /// p99 of the calls since the last sample, microseconds.
     pub p99_us: u32,
+    /// The longest call since the last sample, microseconds.
+    pub longest_us: u32,
     /// Calls per second since the last sample.
     pub calls_per_s: u64,
     /// Failed calls since the last sample.
@@ -82,6 +84,7 @@ impl Sample {
             "open_files": self.open_files,
             "disk_bytes": self.disk_bytes,
             "p99_us": self.p99_us,
+            "longest_us": self.longest_us,
             "calls_per_s": self.calls_per_s,
             "errors": self.errors,
             "cpu_us_per_call": self.cpu_us_per_call,
@@ -98,8 +101,29 @@ struct Shared {
     /// Why calls failed (gRPC code and message, or the unexpected outcome),
     /// counted over the run: a failed soak says what failed.
     error_reasons: BTreeMap<String, u64>,
-    committed: Vec<(String, Instant)>,
+    committed: Vec<Committed>,
+    /// The longest call since the last sample, answered or not: a pause
+    /// of the sidecar (or of the machine) shows here.
+    longest_us: u32,
+    /// Keys whose redelivery came after their retention could have ended
+    /// and was CLAIMED afresh, as it should be: none unless calls paused
+    /// for about a retention. The check after the restart leaves them out.
+    reclaimed: HashSet<String>,
 }
+
+/// A commit acknowledged: when its Commit was sent and when COMMITTED came
+/// back. The sidecar started its retention between the two, so it lives at
+/// least until `sent + retention` and at most until `answered + retention`
+/// — however long a pause of the machine made the call.
+#[derive(Debug, Clone)]
+struct Committed {
+    id: String,
+    sent: Instant,
+    answered: Instant,
+}
+
+/// How far the sidecar's millisecond clock may round a retention's end.
+const CLOCK_MARGIN: Duration = Duration::from_secs(1);
 
 /// The run's outcome.
 #[derive(Debug)]
@@ -108,6 +132,10 @@ pub struct Soak {
     pub samples: Vec<Sample>,
     /// Commits acknowledged over the run.
     pub committed: usize,
+    /// Redeliveries answered CLAIMED afresh because they came after the
+    /// key's retention could have ended (see [`task`]): none unless the
+    /// calls paused for about a retention.
+    pub reclaimed: usize,
     /// Of those, the ones checked after the restart to still be there (none
     /// fails the run).
     pub checked_present: usize,
@@ -118,44 +146,57 @@ pub struct Soak {
     pub failures: Vec<String>,
 }
 
-/// The load's calls from one task, until `end`.
+/// The load's calls from one task, until `end`. A redelivery must be
+/// answered DUPLICATE while its key's retention surely runs; once it may
+/// have ended (a pause of the machine as long as the retention, say), a
+/// fresh CLAIMED is right too.
 async fn task(
     mut client: ClaimAndCommitClient<Channel>,
     index: usize,
     end: Instant,
+    retention: Duration,
     shared: Arc<Mutex<Shared>>,
 ) {
-    let mut recent: VecDeque<String> = VecDeque::new();
+    let mut recent: VecDeque<Committed> = VecDeque::new();
     let mut i = 0u64;
     while Instant::now() < end {
         i += 1;
         let id = format!("soak-{index}-{i}");
         let started = Instant::now();
+        let mut committed = None;
         let outcome = match i % 4 {
             // A fresh key claimed and committed.
-            0 | 1 => commit(&mut client, &id).await.map(|()| {
-                recent.push_back(id.clone());
+            0 | 1 => commit(&mut client, &id).await.map(|done| {
+                recent.push_back(done.clone());
                 if recent.len() > 16 {
                     recent.pop_front();
                 }
-                Some(id)
+                committed = Some(done);
             }),
             // A redelivery of a key committed a moment ago.
             2 => match recent.front() {
-                Some(done) => duplicate(&mut client, done).await.map(|()| None),
-                None => Ok(None),
+                Some(done) => match redeliver(&mut client, done, retention).await {
+                    Ok(Redelivered::Duplicate) => Ok(()),
+                    Ok(Redelivered::Reclaimed) => {
+                        let id = done.id.clone();
+                        recent.pop_front();
+                        shared.lock().expect("not poisoned").reclaimed.insert(id);
+                        Ok(())
+                    }
+                    Err(reason) => Err(reason),
+                },
+                None => Ok(()),
             },
             // Claimed, then released (the consumer failed), then looked up.
-            _ => release_and_lookup(&mut client, &id).await.map(|()| None),
+            _ => release_and_lookup(&mut client, &id).await,
         };
         let elapsed = started.elapsed().as_micros() as u32;
         let mut shared = shared.lock().expect("not poisoned");
+        shared.longest_us = shared.longest_us.max(elapsed);
         match outcome {
-            Ok(committed) => {
+            Ok(()) => {
                 shared.latencies_us.push(elapsed);
-                if let Some(id) = committed {
-                    shared.committed.push((id, Instant::now()));
-                }
+                shared.committed.extend(committed);
             }
             Err(reason) => {
                 shared.errors += 1;
@@ -194,8 +235,9 @@ async fn claim(
     }
 }
 
-async fn commit(client: &mut ClaimAndCommitClient<Channel>, id: &str) -> Result<(), String> {
+async fn commit(client: &mut ClaimAndCommitClient<Channel>, id: &str) -> Result<Committed, String> {
     let claimed = claim(client, id, pb::ClaimOutcome::Claimed).await?;
+    let sent = Instant::now();
     let committed = client
         .commit(pb::CommitRequest {
             correlation_id: id.to_owned(),
@@ -207,7 +249,11 @@ async fn commit(client: &mut ClaimAndCommitClient<Channel>, id: &str) -> Result<
         .map_err(call_failed("Commit"))?
         .into_inner();
     if committed.outcome == pb::CommitOutcome::Committed as i32 {
-        Ok(())
+        Ok(Committed {
+            id: id.to_owned(),
+            sent,
+            answered: Instant::now(),
+        })
     } else {
         Err(format!(
             "Commit answered {:?}",
@@ -216,10 +262,36 @@ async fn commit(client: &mut ClaimAndCommitClient<Channel>, id: &str) -> Result<
     }
 }
 
-async fn duplicate(client: &mut ClaimAndCommitClient<Channel>, id: &str) -> Result<(), String> {
-    claim(client, id, pb::ClaimOutcome::Duplicate)
+/// What a redelivery of a committed key was answered.
+enum Redelivered {
+    /// DUPLICATE, as it must be while the retention surely runs.
+    Duplicate,
+    /// CLAIMED afresh: right only once the retention may have ended.
+    Reclaimed,
+}
+
+async fn redeliver(
+    client: &mut ClaimAndCommitClient<Channel>,
+    done: &Committed,
+    retention: Duration,
+) -> Result<Redelivered, String> {
+    let answer = client
+        .claim(pb::ClaimRequest {
+            correlation_id: done.id.clone(),
+            ..Default::default()
+        })
         .await
-        .map(drop)
+        .map_err(call_failed("Claim"))?
+        .into_inner();
+    let may_have_ended = Instant::now() + CLOCK_MARGIN >= done.sent + retention;
+    match pb::ClaimOutcome::try_from(answer.outcome) {
+        Ok(pb::ClaimOutcome::Duplicate) => Ok(Redelivered::Duplicate),
+        Ok(pb::ClaimOutcome::Claimed) if may_have_ended => Ok(Redelivered::Reclaimed),
+        other => Err(format!(
+            "Claim of a key committed {:?} before answered {other:?}, expected Duplicate",
+            done.answered.elapsed()
+        )),
+    }
 }
 
 async fn release_and_lookup(
@@ -283,7 +355,13 @@ pub async fn run(binary: &Path, data_dir: &Path, config: &SoakConfig) -> Result<
             );
         }
         let client = ClaimAndCommitClient::new(channel.clone().expect("made above"));
-        tasks.spawn(task(client, index, end, Arc::clone(&shared)));
+        tasks.spawn(task(
+            client,
+            index,
+            end,
+            config.retention,
+            Arc::clone(&shared),
+        ));
     }
 
     let data = data_dir.join("data");
@@ -300,11 +378,12 @@ pub async fn run(binary: &Path, data_dir: &Path, config: &SoakConfig) -> Result<
                 .min(end.saturating_duration_since(Instant::now())),
         )
         .await;
-        let (mut latencies, errors) = {
+        let (mut latencies, errors, longest_us) = {
             let mut shared = shared.lock().expect("not poisoned");
             (
                 std::mem::take(&mut shared.latencies_us),
                 std::mem::take(&mut shared.errors),
+                std::mem::take(&mut shared.longest_us),
             )
         };
         let process = sidecar.sample();
@@ -317,6 +396,7 @@ pub async fn run(binary: &Path, data_dir: &Path, config: &SoakConfig) -> Result<
             open_files: process.open_files,
             disk_bytes: directory_bytes(&data),
             p99_us: p99(&mut latencies),
+            longest_us,
             calls_per_s: (calls as f64 / elapsed) as u64,
             errors,
             cpu_us_per_call: process.cpu_us.saturating_sub(last_cpu_us) / calls.max(1),
@@ -330,11 +410,12 @@ pub async fn run(binary: &Path, data_dir: &Path, config: &SoakConfig) -> Result<
     while let Some(joined) = tasks.join_next().await {
         joined.map_err(|e| format!("a load task failed: {e}"))?;
     }
-    let (committed, error_reasons) = {
+    let (committed, error_reasons, reclaimed) = {
         let mut shared = shared.lock().expect("not poisoned");
         (
             std::mem::take(&mut shared.committed),
             std::mem::take(&mut shared.error_reasons),
+            std::mem::take(&mut shared.reclaimed),
         )
     };
     let mut failures = judge(&samples, config);
@@ -363,47 +444,53 @@ pub async fn run(binary: &Path, data_dir: &Path, config: &SoakConfig) -> Result<
         .await
         .map_err(|e| format!("cannot connect after the restart: {e}"))?;
     // Newest first, so the check reaches them well inside their retention.
-    // A record must be there if its retention had not run out (less a
-    // second, for the sidecar's millisecond clock) when the lookup was
-    // answered, and gone if it had run out (plus a second) when it was sent;
-    // between the two, either is right.
-    let mut committed = committed;
-    committed.sort_by_key(|(_, at)| std::cmp::Reverse(*at));
+    // A record must be there if its retention surely runs when the lookup
+    // is answered (from the Commit's sending, less the clock's margin), and
+    // be gone if it surely ended when the lookup was sent (from COMMITTED's
+    // arrival, plus the margin); between the two, either is right. Keys
+    // redelivered after their retention and claimed afresh are left out.
+    let mut committed: Vec<Committed> = committed
+        .into_iter()
+        .filter(|done| !reclaimed.contains(&done.id))
+        .collect();
+    committed.sort_by_key(|done| std::cmp::Reverse(done.answered));
     // Every record inside its retention is checked; of the (millions) past
     // it, an even sample of at most 20 000.
     let past = committed
         .iter()
-        .filter(|(_, at)| at.elapsed() > config.retention + EXPIRED_MARGIN)
+        .filter(|done| done.answered.elapsed() > config.retention + EXPIRED_MARGIN)
         .count();
     let stride = past.div_ceil(MAX_EXPIRED_CHECKS).max(1);
     let (mut checked_present, mut checked_expired) = (0, 0);
-    for (index, (id, at)) in committed.iter().enumerate() {
-        let sent_age = at.elapsed();
-        if sent_age > config.retention + EXPIRED_MARGIN && index % stride != 0 {
+    for (index, done) in committed.iter().enumerate() {
+        let ended_before_sent = done.answered.elapsed() > config.retention + CLOCK_MARGIN;
+        if done.answered.elapsed() > config.retention + EXPIRED_MARGIN && index % stride != 0 {
             continue;
         }
         let found = client
             .lookup(pb::LookupRequest {
                 namespace: String::new(),
-                correlation_id: id.clone(),
+                correlation_id: done.id.clone(),
             })
             .await
             .map_err(|e| format!("lookup after the restart: {e}"))?
             .into_inner()
             .found;
-        let answered_age = at.elapsed();
-        if answered_age + Duration::from_secs(1) < config.retention {
+        let id = &done.id;
+        if done.sent.elapsed() + CLOCK_MARGIN < config.retention {
             checked_present += 1;
             if !found {
                 failures.push(format!(
-                    "{id}, committed {answered_age:?} before it was looked up after the restart, is lost"
+                    "{id}, committed {:?} before it was looked up after the restart, is lost",
+                    done.answered.elapsed()
                 ));
             }
-        } else if sent_age > config.retention + Duration::from_secs(1) {
+        } else if ended_before_sent {
             checked_expired += 1;
             if found {
                 failures.push(format!(
-                    "{id}, committed {sent_age:?} ago, outlived its retention"
+                    "{id}, committed {:?} ago, outlived its retention",
+                    done.answered.elapsed()
                 ));
             }
         }
@@ -437,6 +524,7 @@ pub async fn run(binary: &Path, data_dir: &Path, config: &SoakConfig) -> Result<
     }
     Ok(Soak {
         samples,
+        reclaimed: reclaimed.len(),
         committed: committed.len(),
         checked_present,
         checked_expired,
