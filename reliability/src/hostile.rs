@@ -142,9 +142,18 @@ pub struct Latencies {
     samples: Vec<u32>,
     /// Calls that failed.
     pub errors: u64,
+    /// Why they failed (the status, or no answer in time), counted: a
+    /// failed phase says what the client got.
+    pub error_reasons: std::collections::BTreeMap<String, u64>,
 }
 
 impl Latencies {
+    /// Counts a failed call, for `reason`.
+    pub fn failed(&mut self, reason: String) {
+        self.errors += 1;
+        *self.error_reasons.entry(reason).or_default() += 1;
+    }
+
     /// Calls answered.
     pub fn count(&self) -> usize {
         self.samples.len()
@@ -163,7 +172,8 @@ impl Latencies {
 
 /// A well-behaved client, connected before any attack.
 trait WellBehaved {
-    /// Works for `duration` (keys named after `prefix`), timing every call.
+    /// Works for `duration` (keys named after `prefix`, which no other
+    /// phase uses), timing every call.
     async fn work(&mut self, prefix: &str, duration: Duration) -> Latencies;
 }
 
@@ -196,9 +206,22 @@ pub async fn well_behaved(
         )
         .await;
         let token = match claimed {
-            Ok(Ok(answer)) => answer.into_inner().lease_token,
-            _ => {
-                latencies.errors += 1;
+            Ok(Ok(answer)) if answer.get_ref().outcome == pb::ClaimOutcome::Claimed as i32 => {
+                answer.into_inner().lease_token
+            }
+            Ok(Ok(answer)) => {
+                latencies.failed(format!(
+                    "Claim of a fresh key answered {:?}",
+                    pb::ClaimOutcome::try_from(answer.get_ref().outcome)
+                ));
+                continue;
+            }
+            Ok(Err(status)) => {
+                latencies.failed(format!("Claim: {:?} {}", status.code(), status.message()));
+                continue;
+            }
+            Err(_) => {
+                latencies.failed("Claim: no answer within 5 s".into());
                 continue;
             }
         };
@@ -215,7 +238,10 @@ pub async fn well_behaved(
         .await;
         match committed {
             Ok(Ok(_)) => latencies.samples.push(started.elapsed().as_micros() as u32),
-            _ => latencies.errors += 1,
+            Ok(Err(status)) => {
+                latencies.failed(format!("Commit: {:?} {}", status.code(), status.message()))
+            }
+            Err(_) => latencies.failed("Commit: no answer within 5 s".into()),
         }
     }
     latencies
@@ -281,6 +307,7 @@ impl PhaseReport {
             "phase": self.phase,
             "calls": self.latencies.count(),
             "errors": self.latencies.errors,
+            "error_reasons": self.latencies.error_reasons,
             "p50_us": self.latencies.quantile(0.5),
             "p99_us": self.latencies.quantile(0.99),
             "max_us": self.latencies.quantile(1.0),
@@ -377,21 +404,31 @@ async fn phases(
         config,
         None,
     ));
-    for &attack in attacks {
-        let mut sampled =
-            attack_phase(sidecar, config, attack, target, client, baseline_p99).await?;
+    for (index, &attack) in attacks.iter().enumerate() {
+        // Each phase's keys its own: an attack given twice, or measured
+        // again, claims fresh keys.
+        let prefix = format!("{attack}-{index}");
+        let mut sampled = attack_phase(
+            sidecar,
+            config,
+            (attack, &prefix),
+            target,
+            client,
+            baseline_p99,
+        )
+        .await?;
         // Slower than its bound and nothing else wrong: measured again once,
         // against the higher of the first baseline and a quiet phase taken
         // just before. A build that loads the machine now and not during
         // the first baseline passes the second time; an attack that really
         // starves the client fails it as well.
         if sampled.slow_only {
-            let quiet = client.work("quiet", config.phase).await;
+            let quiet = client.work(&format!("quiet-{prefix}"), config.phase).await;
             let quiet_p99 = f64::from(quiet.quantile(0.99).max(1));
             sampled = attack_phase(
                 sidecar,
                 config,
-                attack,
+                (attack, &format!("{prefix}-again")),
                 target,
                 client,
                 baseline_p99.max(quiet_p99),
@@ -412,7 +449,7 @@ async fn phases(
     if recovery.slow_only {
         recovery = report(
             "recovery",
-            client.work("recovery", config.phase).await,
+            client.work("recovery-again", config.phase).await,
             baseline_p99,
             sidecar,
             config,
@@ -429,7 +466,7 @@ async fn phases(
 async fn attack_phase(
     sidecar: &Sidecar,
     config: &HostileConfig,
-    attack: &str,
+    (attack, prefix): (&str, &str),
     target: SocketAddr,
     client: &mut impl WellBehaved,
     baseline_p99: f64,
@@ -441,7 +478,7 @@ async fn attack_phase(
     start_attack(attack, target, config, &counters, &stop, &mut attackers)?;
     // Let the attack take hold before measuring.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let latencies = client.work(attack, config.phase).await;
+    let latencies = client.work(prefix, config.phase).await;
     // Connections the sidecar must end are counted until they are all seen
     // ended, or CLOSE_SLACK past their deadline: never skipped, however
     // short the phase.

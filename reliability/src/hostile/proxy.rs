@@ -196,7 +196,8 @@ impl WellBehaved for HttpClient {
                 Ok(StatusCode::CREATED) => {
                     latencies.samples.push(started.elapsed().as_micros() as u32)
                 }
-                _ => latencies.errors += 1,
+                Ok(status) => latencies.failed(format!("POST /orders: {status}")),
+                Err(error) => latencies.failed(format!("POST /orders: {error}")),
             }
         }
         latencies
