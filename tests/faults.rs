@@ -795,11 +795,13 @@ async fn a_failing_fsync_stops_the_store_and_loses_nothing_acknowledged() {
     a_failing_disk_stops_the_store(Fault::FailSync, "Input/output error").await;
 }
 
-/// Only dedupd's own fdatasync fails (sled's flush succeeds): the group
-/// commit itself must refuse its callers and fail the store for good.
+/// fsync and fdatasync fail, sled's flush (`sync_file_range`) succeeds:
+/// whichever sync meets the fault first — the group commit's, or sled's sync
+/// of a blob file it writes for a large answer (issue 38) — fails the store
+/// for good and refuses its callers. (The log's sync alone: above.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_fdatasync_fails_the_group_commit_and_the_store() {
-    a_failing_disk_stops_the_store(Fault::FailDataSync, "disk sync failed").await;
+    a_failing_disk_stops_the_store(Fault::FailDataSync, "Input/output error").await;
 }
 
 /// Issue 16: the data directory turns read-only under the running process

@@ -165,41 +165,55 @@ async fn a_kill_between_a_checkpoint_and_the_log_deletion_loses_nothing() {
     all_there(&restarted, &committed).await;
 }
 
-/// Writes `bytes` into the last log segment right after its last frame
-/// (frames are `[length u32][crc u32][payload]`; the preallocated rest of a
-/// segment is zeros).
-fn append_after_last_frame(data: &Path, bytes: &[u8]) {
+/// Writes into the last log segment, right after its last group, what
+/// `tail` makes of the segment's group magic and the next group's number
+/// (a segment: `dedupWAL`, the group magic u32, then groups of
+/// `[magic u32][number u64][length u32][crc u32][frames]`; the
+/// preallocated rest is zeros).
+fn append_after_last_group(data: &Path, tail: impl Fn(u32, u64) -> Vec<u8>) {
     let last = segments(data).pop().expect("a log segment");
     let mut content = std::fs::read(&last).unwrap();
-    let mut end = 0;
-    loop {
-        let length = u32::from_le_bytes(content[end..end + 4].try_into().unwrap()) as usize;
-        if length == 0 {
-            break;
-        }
-        end += 8 + length;
+    assert!(
+        content.starts_with(b"dedupWAL"),
+        "a segment with group headers"
+    );
+    let magic = u32::from_le_bytes(content[8..12].try_into().unwrap());
+    let (mut end, mut next) = (12, 0);
+    while u32::from_le_bytes(content[end..end + 4].try_into().unwrap()) == magic {
+        next = u64::from_le_bytes(content[end + 4..end + 12].try_into().unwrap()) + 1;
+        end += 20 + u32::from_le_bytes(content[end + 12..end + 16].try_into().unwrap()) as usize;
     }
-    assert!(end > 0, "the log holds frames");
-    content[end..end + bytes.len()].copy_from_slice(bytes);
+    assert!(end > 12, "the log holds groups");
+    let bytes = tail(magic, next);
+    content[end..end + bytes.len()].copy_from_slice(&bytes);
     std::fs::write(&last, content).unwrap();
 }
 
-/// A frame cut short by a power loss (a header promising more than is
-/// there), or a whole frame whose checksum fails, after the last good one:
+/// Makes a log tail of a segment's group magic and the next group number.
+type TailMaker = dyn Fn(u32, u64) -> Vec<u8>;
+
+/// A group cut short by a power loss (a header promising more than is
+/// there), or a whole group whose checksum fails, after the last good one:
 /// the log ends there, the store opens, and nothing acknowledged is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_torn_or_corrupted_log_tail_is_dropped_at_recovery() {
-    let torn: &[u8] = &[200, 0, 0, 0, 0xde, 0xad, 0xbe, 0xef, 1, 2, 3, 4, 5, 6, 7];
-    let mut corrupted = Vec::new();
-    corrupted.extend_from_slice(&30u32.to_le_bytes());
-    corrupted.extend_from_slice(&0x1234_5678u32.to_le_bytes());
-    corrupted.extend_from_slice(&[0xab; 30]);
-    for (what, tail) in [("torn", torn), ("corrupted", &corrupted[..])] {
+    fn group(magic: u32, number: u64, length: u32, body: &[u8]) -> Vec<u8> {
+        let mut bytes = magic.to_le_bytes().to_vec();
+        bytes.extend_from_slice(&number.to_le_bytes());
+        bytes.extend_from_slice(&length.to_le_bytes());
+        bytes.extend_from_slice(&0xdead_beef_u32.to_le_bytes());
+        bytes.extend_from_slice(body);
+        bytes
+    }
+    let torn = |magic, next| group(magic, next, 200, &[1, 2, 3, 4, 5, 6, 7]);
+    let corrupted = |magic, next| group(magic, next, 30, &[0xab; 30]);
+    let tails: [(&str, &TailMaker); 2] = [("torn", &torn), ("corrupted", &corrupted)];
+    for (what, tail) in tails {
         let dir = tempfile::tempdir().unwrap();
         let sidecar = Sidecar::start(dir.path());
         let committed = commit_many(&sidecar, what, 40).await;
         sidecar.kill_9();
-        append_after_last_frame(dir.path(), tail);
+        append_after_last_group(dir.path(), tail);
 
         let restarted = Sidecar::start(dir.path());
         let log = restarted.log_text();

@@ -11,12 +11,16 @@
 //! - [`h2raw`]: HTTP/2 frames by hand, for clients that misbehave.
 //! - [`hostile`]: hostile clients against a well-behaved one's latency.
 //! - [`soak`]: long mixed load with churn, sampled, then checked.
+//! - [`lazyfs`]: LazyFS, a file system that drops unsynced writes on command.
+//! - [`powerloss`]: power cuts on LazyFS under load, then checked.
 
 pub mod checker;
 pub mod failover;
 pub mod h2raw;
 pub mod history;
 pub mod hostile;
+pub mod lazyfs;
+pub mod powerloss;
 pub mod runner;
 pub mod sidecar;
 pub mod soak;

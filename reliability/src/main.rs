@@ -4,7 +4,7 @@
 use std::{path::PathBuf, process::ExitCode, time::Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
-use dedupd_reliability::{checker, history, hostile, runner, sidecar::Sidecar, soak};
+use dedupd_reliability::{checker, history, hostile, powerloss, runner, sidecar::Sidecar, soak};
 
 #[derive(Debug, Parser)]
 #[command(name = "dedupd-reliability", version)]
@@ -28,6 +28,45 @@ enum Command {
     /// memory, open files, disk and p99; then SIGKILL, restart, and a check
     /// of every acknowledged commit.
     Soak(SoakArgs),
+    /// Power cuts on LazyFS: load, SIGKILL and every unsynced write dropped,
+    /// restart, and a check of everything acknowledged; then cuts LazyFS
+    /// makes itself at chosen syncs, creations and removals, and torn log
+    /// writes.
+    Powerloss(PowerlossArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct PowerlossArgs {
+    /// The dedupd binary.
+    #[arg(long, default_value = "target/release/dedupd")]
+    dedupd: PathBuf,
+    /// The LazyFS binary (`../shared/tools/lazyfs/build.sh` prints it).
+    #[arg(long, env = "DEDUPD_LAZYFS")]
+    lazyfs: PathBuf,
+    /// Power cuts at random moments of the load, on one data directory.
+    #[arg(long, default_value_t = 200)]
+    cuts: usize,
+    /// Client tasks.
+    #[arg(long, default_value_t = 8)]
+    tasks: usize,
+    /// The answer sizes of commits, in turn (bytes, at most 1048576).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "0,200,2048,40000,65536,300000,1048576"
+    )]
+    answer_sizes: Vec<usize>,
+    /// Only the random cuts.
+    #[arg(long)]
+    no_targeted: bool,
+    /// One more flag for the sidecar (repeatable), after the suite's own:
+    /// `--dedupd-arg=--disk-reserve-mb=0`.
+    #[arg(long, allow_hyphen_values = true)]
+    dedupd_arg: Vec<String>,
+    /// CI's bounded run: 10 random cuts after 1-2 s of load each, and the
+    /// targeted cuts.
+    #[arg(long)]
+    quick: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -197,6 +236,98 @@ fn main() -> ExitCode {
         Command::Lincheck(args) => runtime.block_on(lincheck(args)),
         Command::Hostile(args) => runtime.block_on(hostile(args)),
         Command::Soak(args) => runtime.block_on(soak(args)),
+        Command::Powerloss(args) => runtime.block_on(powerloss(args)),
+    }
+}
+
+async fn powerloss(args: PowerlossArgs) -> ExitCode {
+    if let Some(size) = args
+        .answer_sizes
+        .iter()
+        .find(|size| **size > powerloss::MAX_ANSWER)
+    {
+        eprintln!(
+            "dedupd-reliability: --answer-sizes: {size} is above the largest answer ({})",
+            powerloss::MAX_ANSWER
+        );
+        return ExitCode::from(64);
+    }
+    if args.answer_sizes.is_empty() || args.tasks == 0 {
+        eprintln!("dedupd-reliability: --answer-sizes and --tasks must not be empty or 0");
+        return ExitCode::from(64);
+    }
+    let second = std::time::Duration::from_secs(1);
+    let config = powerloss::PowerLossConfig {
+        lazyfs: args.lazyfs,
+        cuts: if args.quick { 10 } else { args.cuts },
+        load: if args.quick {
+            (second, 2 * second)
+        } else {
+            (2 * second, 5 * second)
+        },
+        targeted: !args.no_targeted,
+        answer_sizes: args.answer_sizes,
+        tasks: args.tasks,
+        extra_flags: args.dedupd_arg,
+    };
+    let work = match tempfile_dir("powerloss") {
+        Ok(dir) => dir,
+        Err(error) => {
+            eprintln!("dedupd-reliability: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let started = Instant::now();
+    let report = powerloss::run(&args.dedupd, &work, &config).await;
+    println!(
+        "{}",
+        serde_json::json!({
+            "summary": true,
+            "random_cuts": report.cuts,
+            "targeted_cuts": report.targeted,
+            "targeted_not_fired": report.not_fired,
+            "calls_acknowledged": report.acknowledged,
+            "commits_acknowledged": report.commits,
+            "large_commits_acknowledged": report.large_commits,
+            "checks_after_restarts": report.checks,
+            "slowest_restart_ms": report.slowest_restart.as_millis() as u64,
+            "load_s": report.load_seconds.round() as u64,
+            "small_answer_bytes_committed": report.small_answer_bytes,
+            "sled_log_bytes_at_end": report.sled_log_bytes,
+            "elapsed_s": started.elapsed().as_secs(),
+            "failures": report.failures,
+        })
+    );
+    // A targeted cut that never fired tested nothing: most must fire.
+    let mut failed = !report.failures.is_empty();
+    if config.targeted && report.not_fired.len() * 4 > report.targeted + report.not_fired.len() {
+        eprintln!(
+            "dedupd-reliability: {} of the targeted cuts never fired: {:?}",
+            report.not_fired.len(),
+            report.not_fired
+        );
+        failed = true;
+    }
+    if report.cuts < config.cuts && report.failures.is_empty() {
+        eprintln!(
+            "dedupd-reliability: only {} of {} cuts made",
+            report.cuts, config.cuts
+        );
+        failed = true;
+    }
+    if failed {
+        keep_for_inspection(
+            &work,
+            "random/: the store and its log; target-N/: a targeted cut's",
+            &["random/log".to_owned()],
+        );
+        for failure in &report.failures {
+            eprintln!("dedupd-reliability: {failure}");
+        }
+        ExitCode::FAILURE
+    } else {
+        let _ = std::fs::remove_dir_all(&work);
+        ExitCode::SUCCESS
     }
 }
 

@@ -32,9 +32,20 @@ impl Sidecar {
     /// appended to: a restart keeps what the run before it logged, each
     /// start under a line of its own.
     pub async fn start(binary: &Path, data_dir: &Path, flags: &[String]) -> Result<Self, String> {
-        std::fs::create_dir_all(data_dir).map_err(|e| format!("{}: {e}", data_dir.display()))?;
-        let ready = data_dir.join("ready.json");
-        let log = data_dir.join("log");
+        Sidecar::start_on(binary, data_dir, &data_dir.join("data"), flags).await
+    }
+
+    /// Like [`Sidecar::start`], its store in `store_dir` (a LazyFS mount,
+    /// say) and its log and ready file in `home`.
+    pub async fn start_on(
+        binary: &Path,
+        home: &Path,
+        store_dir: &Path,
+        flags: &[String],
+    ) -> Result<Self, String> {
+        std::fs::create_dir_all(home).map_err(|e| format!("{}: {e}", home.display()))?;
+        let ready = home.join("ready.json");
+        let log = home.join("log");
         let _ = std::fs::remove_file(&ready);
         let mut log_file = std::fs::OpenOptions::new()
             .create(true)
@@ -55,7 +66,7 @@ impl Sidecar {
             .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
             .args(["--log", "warn"])
             .arg("--data-dir")
-            .arg(data_dir.join("data"))
+            .arg(store_dir)
             .arg("--ready-file")
             .arg(&ready)
             .args(flags)

@@ -8,11 +8,17 @@
 //! within twice the reserve. With a write-ahead log, a Put also needs room
 //! for the log not yet checkpointed ([`DiskSpace::owe`]): a restart replays
 //! it into sled, which must not meet a full disk either.
+//!
+//! Some filesystems cannot say how much is free: FUSE ones such as LazyFS,
+//! some network ones, answer `statvfs` with all zeros. Zero *total* blocks is
+//! not a full disk but an unknown one ([`Capacity::Unknown`]): the guard
+//! says so once and stands aside, and what protects the store there is
+//! what can be known — a failed write is an error, never an acknowledgement.
 
 use std::{
     io,
     path::PathBuf,
-    sync::atomic::{AtomicU64, Ordering::Relaxed},
+    sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
     time::{Duration, Instant},
 };
 
@@ -30,6 +36,45 @@ pub(crate) enum WriteKind {
     Delete,
 }
 
+/// What `statvfs` tells of a filesystem's free space.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Capacity {
+    /// Bytes free for unprivileged writers.
+    Known(u64),
+    /// The filesystem reports no size at all (every figure zero).
+    Unknown,
+}
+
+impl Capacity {
+    /// Reads the filesystem holding `path`.
+    pub(crate) fn of(path: &std::path::Path) -> io::Result<Capacity> {
+        let stat = rustix::fs::statvfs(path)?;
+        Ok(Capacity::from_figures(
+            stat.f_blocks,
+            stat.f_bavail,
+            stat.f_frsize,
+        ))
+    }
+
+    /// A filesystem of zero blocks (or zero-byte blocks) holds nothing, so
+    /// it is not reporting: a real full disk still counts its blocks.
+    fn from_figures(blocks: u64, available: u64, fragment: u64) -> Capacity {
+        if blocks == 0 || fragment == 0 {
+            Capacity::Unknown
+        } else {
+            Capacity::Known(available.saturating_mul(fragment))
+        }
+    }
+
+    /// Whether at least `bytes` are known to be free (`None`: unknown).
+    pub(crate) fn has_room(self, bytes: u64) -> Option<bool> {
+        match self {
+            Capacity::Known(free) => Some(free >= bytes),
+            Capacity::Unknown => None,
+        }
+    }
+}
+
 /// Free space of one filesystem against a reserve.
 #[derive(Debug)]
 pub(crate) struct DiskSpace {
@@ -42,6 +87,8 @@ pub(crate) struct DiskSpace {
     /// never). An atomic, not a lock: every write asks.
     checked_at: AtomicU64,
     epoch: Instant,
+    /// Set once the filesystem was found not to report its size (warned once).
+    unknown: AtomicBool,
 }
 
 impl DiskSpace {
@@ -54,6 +101,7 @@ impl DiskSpace {
             owed: AtomicU64::new(0),
             checked_at: AtomicU64::new(0),
             epoch: Instant::now(),
+            unknown: AtomicBool::new(false),
         }
     }
 
@@ -89,10 +137,23 @@ impl DiskSpace {
         u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
     }
 
-    /// Reads the free space now.
+    /// Reads the free space now; a filesystem that does not report it
+    /// counts as having room (warned once), see the module docs.
     pub(crate) fn refresh(&self) -> io::Result<u64> {
-        let stat = rustix::fs::statvfs(&self.path)?;
-        let free = stat.f_bavail.saturating_mul(stat.f_frsize);
+        let free = match Capacity::of(&self.path)? {
+            Capacity::Known(free) => free,
+            Capacity::Unknown => {
+                if self.reserve > 0 && !self.unknown.swap(true, Relaxed) {
+                    tracing::warn!(
+                        path = %self.path.display(),
+                        "the data directory's filesystem does not report its free space \
+                         (statvfs answers zeros); the --disk-reserve guard stands aside \
+                         and a failed write is refused as an error"
+                    );
+                }
+                u64::MAX
+            }
+        };
         self.free.store(free, Relaxed);
         self.checked_at
             .store(self.micros_since_epoch().saturating_add(1), Relaxed);
@@ -156,5 +217,23 @@ impl DiskSpace {
     /// `Ok` while writes are admitted; for health reports.
     pub(crate) fn writable(&self) -> Result<(), Error> {
         self.admit(WriteKind::Put)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_filesystem_reporting_zeros_is_unknown_not_full() {
+        assert_eq!(Capacity::from_figures(0, 0, 0), Capacity::Unknown);
+        assert_eq!(Capacity::from_figures(0, 0, 4096), Capacity::Unknown);
+        assert_eq!(Capacity::from_figures(1000, 0, 4096), Capacity::Known(0));
+        assert_eq!(
+            Capacity::from_figures(1000, 10, 4096),
+            Capacity::Known(40960)
+        );
+        assert_eq!(Capacity::Unknown.has_room(1), None);
+        assert_eq!(Capacity::Known(10).has_room(11), Some(false));
     }
 }

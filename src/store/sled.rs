@@ -417,6 +417,7 @@ impl SledStore {
         observer: Option<Arc<dyn StoreObserver>>,
     ) -> Result<SledStore, Error> {
         std::fs::create_dir_all(&config.path)?;
+        restore_removed_blobs(&config.path)?;
         let db = sled::Config::new()
             .path(&config.path)
             .cache_capacity(config.cache_capacity_bytes)
@@ -435,6 +436,10 @@ impl SledStore {
                 other => other.into(),
             })?;
         let log_file = Arc::new(File::open(config.path.join("db"))?);
+        // sled writes its configuration file at every open and never syncs
+        // it; after a power cut it finds it empty and writes it again.
+        // Synced here so that a cut finds it whole (and says nothing).
+        File::open(config.path.join("conf"))?.sync_all()?;
         let records = db.open_tree("records")?;
         let marks = db.open_tree("marks")?;
 
@@ -540,7 +545,8 @@ impl SledStore {
         let (committer, appender) = match config.sync {
             SyncMode::Always => {
                 let appender = Arc::new(Mutex::new(Appender::new(replayed.next_lsn)));
-                let writer = wal::Writer::create(&wal_dir, replayed.last_segment + 1)?;
+                let writer =
+                    wal::Writer::create(&wal_dir, replayed.last_segment + 1, replayed.next_group)?;
                 let committer = spawn_committer(
                     CommitterParts {
                         db: db.clone(),
@@ -1348,16 +1354,60 @@ fn bounded_checkpoint(
 /// Makes everything sled holds durable: its flush (which only
 /// `sync_file_range`s), then `fdatasync` of its log, of every blob file it
 /// wrote, and of the directory.
+///
+/// Blobs sled removed (our copy of sled moves them to `blobs.removed`, see
+/// `vendor/sled/DEDUPD.md`) before the flush began are no longer needed by
+/// the state it made durable: those, and only those, are deleted after it.
 fn checkpoint(
     db: &sled::Db,
     log_file: &File,
     blobs: &mut BlobSyncer,
     path: &Path,
 ) -> Result<(), Error> {
+    let removed = blobs.removed()?;
     db.flush()?;
     log_file.sync_data()?;
     blobs.sync_new()?;
-    sync_directory(path)
+    sync_directory(path)?;
+    blobs.delete(&removed);
+    Ok(())
+}
+
+/// sled's removed blobs' folder (see `vendor/sled/DEDUPD.md`).
+const REMOVED_BLOBS_DIR: &str = "blobs.removed";
+
+/// Before sled opens after a crash: moves every blob sled removed since the
+/// last checkpoint back where sled looks. The state sled recovers may be
+/// older than the removal and point at it; one it no longer points at is
+/// left behind unused (sled cannot say which): at most the blobs removed
+/// within one checkpoint interval, per crash.
+fn restore_removed_blobs(path: &Path) -> Result<(), Error> {
+    let removed = path.join(REMOVED_BLOBS_DIR);
+    let entries = match std::fs::read_dir(&removed) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(error) => return Err(error.into()),
+    };
+    let blobs = path.join("blobs");
+    let mut restored = 0_u64;
+    for entry in entries {
+        let entry = entry?;
+        if !blobs.is_dir() {
+            std::fs::create_dir_all(&blobs)?;
+            sync_directory(path)?;
+        }
+        std::fs::rename(entry.path(), blobs.join(entry.file_name()))?;
+        restored += 1;
+    }
+    if restored > 0 {
+        sync_directory(&blobs)?;
+        sync_directory(&removed)?;
+        tracing::info!(
+            restored,
+            "moved blobs sled removed after the last checkpoint back for its recovery"
+        );
+    }
+    Ok(())
 }
 
 /// The key the sync watch's probe writes (never read).
@@ -1447,6 +1497,32 @@ impl BlobSyncer {
         // sled deletes blobs it no longer needs; forget those names.
         self.synced = present;
         Ok(())
+    }
+
+    /// The blobs sled has removed so far.
+    fn removed(&self) -> Result<Vec<PathBuf>, Error> {
+        let Some(data) = self.directory.parent() else {
+            return Ok(Vec::new());
+        };
+        match std::fs::read_dir(data.join(REMOVED_BLOBS_DIR)) {
+            Ok(entries) => Ok(entries
+                .map(|entry| entry.map(|entry| entry.path()))
+                .collect::<Result<_, _>>()?),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(error) => Err(error.into()),
+        }
+    }
+
+    /// Deletes removed blobs a checkpoint made unneeded. Not synced: one
+    /// that a power cut brings back is restored at open and left unused.
+    fn delete(&self, removed: &[PathBuf]) {
+        for path in removed {
+            if let Err(error) = std::fs::remove_file(path) {
+                if error.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(%error, blob = %path.display(), "could not delete a removed blob");
+                }
+            }
+        }
     }
 }
 
@@ -1673,7 +1749,7 @@ mod tests {
             &kept_bytes,
             Some(&with_token(8)),
         );
-        let mut writer = wal::Writer::create(&dir.path().join(wal::WAL_DIR), 1).unwrap();
+        let mut writer = wal::Writer::create(&dir.path().join(wal::WAL_DIR), 1, 1).unwrap();
         writer.write(&frames).unwrap();
         writer.sync().unwrap();
         drop(writer);

@@ -10,9 +10,14 @@
 //! open, whatever the segments still hold is replayed into sled.
 //!
 //! Layout: `wal/<sequence>.wal` in the data directory, each segment
-//! preallocated (`fallocate`) so that a sync writes data, not the file's
-//! size. A frame is `[payload length u32][CRC32C of payload u32][payload]`,
-//! the payload `[LSN u64][tree u8][op u8][key length u32][key][value]`, all
+//! preallocated (`fallocate`) where the filesystem allows, so that a sync
+//! writes data, not the file's size. A segment starts with the 8 bytes
+//! [`SEGMENT_MAGIC`] and its *group magic* (a random non-zero `u32`); then
+//! come *groups*, one per sync: a 20-byte header `[group magic u32][group
+//! number u64][length u32][CRC32C of number, length and frames u32]` and
+//! the group's frames. Group numbers rise by one across segments.
+//! A frame is `[payload length u32][CRC32C of payload u32][payload]`, the
+//! payload `[LSN u64][tree u8][op u8][key length u32][key][value]`, all
 //! little-endian. LSNs rise by one from frame to frame across segments:
 //! frames are appended under the same lock as sled's compare-and-swap, so
 //! the log's order is the order changes were made, and replaying it in
@@ -20,11 +25,19 @@
 //! needed; a newer value sled already holds that the log lost was never
 //! acknowledged).
 //!
-//! Recovery reads every segment: a bad frame (zero length, short, CRC
-//! mismatch) in the last segment is a torn tail — a group whose sync never
-//! returned, so nobody was answered — and ends the log there; anything
-//! wrong in an earlier segment, or an LSN out of sequence, is corruption
-//! of acknowledged data, and the store refuses to open.
+//! Recovery reads every segment. A group is written and then synced before
+//! the next is written, and every error of either ends the store (see the
+//! committer), so a group that is not whole — torn, zeroed, checksum wrong —
+//! is either the torn tail (its sync never returned: nobody was answered)
+//! or damage to acknowledged data. The group headers tell which: if any
+//! whole group with a later number follows the bad one, in the same segment
+//! or a later one, the store refuses to open and names the file and byte;
+//! if none does, the log ends there. Segments holding no group (a creation
+//! a power cut or an error cut short) are ignored. Damage *inside* a group
+//! whose checksum matches, or an LSN or group number out of sequence, is
+//! corruption. Segments written before group headers existed (no magic)
+//! are read frame by frame as before: a bad frame ends the log only in the
+//! last segment that holds anything.
 
 use std::{
     fs::{File, OpenOptions},
@@ -33,6 +46,9 @@ use std::{
     path::{Path, PathBuf},
 };
 
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+
+use super::disk::Capacity;
 use crate::error::Error;
 
 /// The log's directory inside the data directory.
@@ -46,6 +62,17 @@ pub(super) const SEGMENT_BYTES: u64 = 16 << 20;
 const PREALLOCATE_ROOM_FACTOR: u64 = 4;
 
 const HEADER_BYTES: usize = 8;
+/// The first bytes of every segment with group headers.
+pub(super) const SEGMENT_MAGIC: &[u8; 8] = b"dedupWAL";
+/// The magic, then the segment's group magic: a random non-zero `u32`
+/// chosen when the segment is created, which starts each of its groups.
+/// Random per segment so that no bytes a client can put in an answer, and
+/// no copy of another segment, look like one of its groups.
+const SEGMENT_HEADER_BYTES: usize = SEGMENT_MAGIC.len() + 4;
+/// How far above the expected number a later group may be numbered and
+/// still prove damage (any real one is a few groups on).
+const LATER_GROUP_RANGE: u64 = 1 << 32;
+const GROUP_HEADER_BYTES: usize = 4 + 8 + 4 + 4;
 const FIXED_PAYLOAD_BYTES: usize = 8 + 1 + 1 + 4;
 
 /// Which sled tree a frame changes.
@@ -253,63 +280,288 @@ pub(super) struct Replayed {
     pub last_segment: u64,
     /// The LSN after the last frame applied.
     pub next_lsn: u64,
-    /// Where the log ended on a torn frame, and why.
+    /// The group number after the last group read (1: none).
+    pub next_group: u64,
+    /// Where the log ended on a torn group or frame, and why.
     pub torn: Option<(PathBuf, usize, &'static str)>,
+}
+
+/// A group header read and checked against its frames.
+struct Group<'a> {
+    number: u64,
+    frames: &'a [u8],
+    /// The offset after the group.
+    next: usize,
+}
+
+/// Reads the group at `offset`: `Ok(None)` when the header is all zeros
+/// (the unwritten rest of a segment), `Err` when it is not a whole group.
+fn group_at(bytes: &[u8], offset: usize, magic: u32) -> Result<Option<Group<'_>>, &'static str> {
+    let rest = &bytes[offset..];
+    let header = &rest[..rest.len().min(GROUP_HEADER_BYTES)];
+    if header.iter().all(|&byte| byte == 0) {
+        return Ok(None);
+    }
+    if header.len() < GROUP_HEADER_BYTES {
+        return Err("a group header cut short");
+    }
+    if u32::from_le_bytes(header[..4].try_into().expect("4 bytes")) != magic {
+        return Err("no group header where one was due");
+    }
+    let number = u64::from_le_bytes(header[4..12].try_into().expect("8 bytes"));
+    let len = u32::from_le_bytes(header[12..16].try_into().expect("4 bytes")) as usize;
+    let crc = u32::from_le_bytes(header[16..20].try_into().expect("4 bytes"));
+    let Some(frames) = rest.get(GROUP_HEADER_BYTES..GROUP_HEADER_BYTES + len) else {
+        return Err("a group cut short");
+    };
+    if group_crc(&header[4..16], frames) != crc {
+        return Err("a group whose checksum does not match");
+    }
+    Ok(Some(Group {
+        number,
+        frames,
+        next: offset + GROUP_HEADER_BYTES + len,
+    }))
+}
+
+/// A group's checksum: of its number and length, then its frames (a
+/// damaged number must not read as a gap in a whole log).
+fn group_crc(number_and_len: &[u8], frames: &[u8]) -> u32 {
+    crc32c::crc32c_append(crc32c::crc32c(number_and_len), frames)
+}
+
+/// Whether a whole group numbered `after` or a little later starts
+/// anywhere in `bytes` from `from` on: the proof that what stopped the
+/// replay before it was not the torn tail.
+fn later_group(bytes: &[u8], from: usize, after: u64, magic: u32) -> Option<usize> {
+    let pattern = magic.to_le_bytes();
+    let mut at = from;
+    while at + GROUP_HEADER_BYTES <= bytes.len() {
+        let found = bytes[at..]
+            .windows(4)
+            .position(|window| window == pattern)?;
+        at += found;
+        if let Ok(Some(group)) = group_at(bytes, at, magic) {
+            if (after..after.saturating_add(LATER_GROUP_RANGE)).contains(&group.number) {
+                return Some(at);
+            }
+        }
+        at += 1;
+    }
+    None
+}
+
+/// The group magic of a segment written with group headers (`None`: the
+/// frames-only format before them, or a creation cut short).
+fn group_magic(bytes: &[u8]) -> Option<u32> {
+    let magic = bytes
+        .strip_prefix(SEGMENT_MAGIC)?
+        .get(..4)
+        .map(|magic| u32::from_le_bytes(magic.try_into().expect("4 bytes")))?;
+    (magic != 0).then_some(magic)
+}
+
+/// Whether a segment holds anything past its header: one that does not is
+/// a creation cut short, and ignored.
+fn holds_anything(bytes: &[u8]) -> bool {
+    let start = if bytes.starts_with(SEGMENT_MAGIC) {
+        SEGMENT_HEADER_BYTES.min(bytes.len())
+    } else {
+        0
+    };
+    bytes[start..].iter().any(|&byte| byte != 0)
+}
+
+/// The first whole group numbered from `after` in the segments of `later`
+/// (read one at a time: this runs only when the log has a bad group).
+fn later_group_in(later: &[(u64, PathBuf)], after: u64) -> Result<Option<(PathBuf, usize)>, Error> {
+    for (_, path) in later {
+        let bytes = std::fs::read(path)?;
+        if let Some(magic) = group_magic(&bytes) {
+            if let Some(at) = later_group(&bytes, SEGMENT_HEADER_BYTES, after, magic) {
+                return Ok(Some((path.clone(), at)));
+            }
+        }
+    }
+    Ok(None)
 }
 
 /// Calls `apply` with the frames of each segment in `directory`, segment
 /// by segment, in order, stopping at a torn tail (see the module docs).
-/// Every frame is checked before any of its segment is applied.
+/// Every frame is checked before any of its segment is applied; one
+/// segment is in memory at a time.
 pub(super) fn replay(
     directory: &Path,
     mut apply: impl FnMut(&[Frame<'_>]) -> Result<(), Error>,
 ) -> Result<Replayed, Error> {
     let segments = segments(directory)?;
+    let last_sequence = segments.last().map_or(0, |(sequence, _)| *sequence);
     let mut replayed = Replayed::default();
-    let mut expected_lsn: Option<u64> = None;
-    for (index, (sequence, path)) in segments.iter().enumerate() {
-        let last = index + 1 == segments.len();
+    let mut lsns = LsnCheck::default();
+    let mut next_group: Option<u64> = None;
+    'segments: for (index, (sequence, path)) in segments.iter().enumerate() {
         let bytes = std::fs::read(path)?;
-        let mut offset = 0;
+        let later = &segments[index + 1..];
         let mut frames = Vec::new();
-        loop {
-            match decode_at(&bytes, offset) {
-                Decoded::Frame(frame, next) => {
-                    if let Some(expected) = expected_lsn {
-                        if frame.lsn != expected {
-                            return Err(Error::Corrupt(format!(
-                                "write-ahead log {} at byte {offset}: LSN {} where {expected} \
-                                 was next; refusing to open over a log with a gap",
-                                path.display(),
-                                frame.lsn
-                            )));
-                        }
+        if let Some(magic) = group_magic(&bytes) {
+            let mut offset = SEGMENT_HEADER_BYTES;
+            loop {
+                let stopped = match group_at(&bytes, offset, magic) {
+                    Ok(Some(group)) if next_group.is_some_and(|next| group.number != next) => {
+                        return Err(Error::Corrupt(format!(
+                            "write-ahead log {} at byte {offset}: group {} where {} was next; \
+                             refusing to open over a log with a gap",
+                            path.display(),
+                            group.number,
+                            next_group.unwrap_or_default()
+                        )));
                     }
-                    expected_lsn = Some(frame.lsn + 1);
-                    replayed.frames += 1;
-                    replayed.bytes += (next - offset) as u64;
-                    frames.push(frame);
-                    offset = next;
+                    Ok(Some(group)) => {
+                        decode_group(group.frames, path, offset, &mut lsns, &mut frames)?;
+                        next_group = Some(group.number + 1);
+                        offset = group.next;
+                        continue;
+                    }
+                    Ok(None) => None,
+                    Err(what) => Some(what),
+                };
+                // The segment's groups end here: zeros, or a group that is
+                // not whole. Either is the log's end only if no whole
+                // later group follows: zeros, in this segment (they end a
+                // segment that was full, and the next goes on); a bad
+                // group, in this segment or any later one.
+                let after = next_group.unwrap_or(0);
+                let mut found =
+                    later_group(&bytes, offset + 1, after, magic).map(|at| (path.clone(), at));
+                if found.is_none() && stopped.is_some() {
+                    found = later_group_in(later, after)?;
                 }
-                Decoded::End => break,
-                Decoded::Bad(what) if last => {
-                    replayed.torn = Some((path.clone(), offset, what));
-                    break;
+                match (stopped, found) {
+                    (_, Some((later_path, at))) => {
+                        return Err(Error::Corrupt(format!(
+                            "write-ahead log {} at byte {offset}: {}, and a whole later group \
+                             follows ({} at byte {at}); refusing to open over a damaged log",
+                            path.display(),
+                            stopped.unwrap_or("zeros where a group was due"),
+                            later_path.display()
+                        )));
+                    }
+                    (Some(what), None) => {
+                        apply(&frames)?;
+                        replayed.torn = Some((path.clone(), offset, what));
+                        // Later segments hold no group (checked above); a
+                        // new writer starts after all of them.
+                        replayed.last_segment = last_sequence;
+                        break 'segments;
+                    }
+                    (None, None) => break,
                 }
-                Decoded::Bad(what) => {
-                    return Err(Error::Corrupt(format!(
-                        "write-ahead log {} at byte {offset}: {what}, and later segments \
-                         follow; refusing to open over a damaged log",
-                        path.display()
-                    )));
+            }
+        } else {
+            let mut offset = 0;
+            loop {
+                match decode_at(&bytes, offset) {
+                    Decoded::Frame(frame, next) => {
+                        lsns.take(frame, next - offset, path, offset, &mut frames)?;
+                        offset = next;
+                    }
+                    Decoded::End => break,
+                    Decoded::Bad(what) => {
+                        // A bad frame ends the log only in the last segment
+                        // that holds anything (this format has no groups).
+                        for (_, later_path) in later {
+                            if holds_anything(&std::fs::read(later_path)?) {
+                                return Err(Error::Corrupt(format!(
+                                    "write-ahead log {} at byte {offset}: {what}, and later \
+                                     segments follow; refusing to open over a damaged log",
+                                    path.display()
+                                )));
+                            }
+                        }
+                        apply(&frames)?;
+                        replayed.torn = Some((path.clone(), offset, what));
+                        replayed.last_segment = last_sequence;
+                        break 'segments;
+                    }
                 }
             }
         }
         apply(&frames)?;
         replayed.last_segment = *sequence;
     }
-    replayed.next_lsn = expected_lsn.unwrap_or(1);
+    replayed.frames = lsns.frames;
+    replayed.bytes = lsns.bytes;
+    replayed.next_lsn = lsns.expected.unwrap_or(1);
+    replayed.next_group = next_group.unwrap_or(1);
     Ok(replayed)
+}
+
+/// Frames counted and their LSNs checked to rise by one.
+#[derive(Default)]
+struct LsnCheck {
+    expected: Option<u64>,
+    frames: u64,
+    bytes: u64,
+}
+
+impl LsnCheck {
+    /// Checks `frame` (`len` bytes, read at `offset` of `path`) and adds it.
+    fn take<'a>(
+        &mut self,
+        frame: Frame<'a>,
+        len: usize,
+        path: &Path,
+        offset: usize,
+        frames: &mut Vec<Frame<'a>>,
+    ) -> Result<(), Error> {
+        self.check(frame.lsn, path, offset)?;
+        self.bytes += len as u64;
+        frames.push(frame);
+        Ok(())
+    }
+
+    fn check(&mut self, lsn: u64, path: &Path, offset: usize) -> Result<(), Error> {
+        if let Some(expected) = self.expected {
+            if lsn != expected {
+                return Err(Error::Corrupt(format!(
+                    "write-ahead log {} at byte {offset}: LSN {lsn} where {expected} was next; \
+                     refusing to open over a log with a gap",
+                    path.display()
+                )));
+            }
+        }
+        self.expected = Some(lsn + 1);
+        self.frames += 1;
+        Ok(())
+    }
+}
+
+/// Decodes the frames of one whole group (its checksum matched): anything
+/// wrong inside it is corruption, not a tear.
+fn decode_group<'a>(
+    bytes: &'a [u8],
+    path: &Path,
+    group_offset: usize,
+    lsns: &mut LsnCheck,
+    frames: &mut Vec<Frame<'a>>,
+) -> Result<(), Error> {
+    let mut offset = 0;
+    while offset < bytes.len() {
+        match decode_at(bytes, offset) {
+            Decoded::Frame(frame, next) => {
+                lsns.take(frame, next - offset, path, group_offset, frames)?;
+                offset = next;
+            }
+            Decoded::End | Decoded::Bad(_) => {
+                return Err(Error::Corrupt(format!(
+                    "write-ahead log {} at byte {group_offset}: a group whose checksum matches \
+                     holds a frame that does not decode; refusing to open over a damaged log",
+                    path.display()
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The segment being written, owned by the committer thread.
@@ -320,22 +572,39 @@ pub(super) struct Writer {
     sequence: u64,
     offset: u64,
     capacity: u64,
+    /// The current segment's group magic.
+    magic: u32,
+    /// The number the next group written gets.
+    next_group: u64,
     /// Bytes written since the last seal.
     pub since_seal: u64,
 }
 
 impl Writer {
     /// Starts segment `sequence` (the ones before it must already be
-    /// replayed or gone).
-    pub(super) fn create(directory: &Path, sequence: u64) -> Result<Writer, Error> {
-        std::fs::create_dir_all(directory)?;
-        let (file, capacity) = new_segment(directory, sequence, SEGMENT_BYTES)?;
+    /// replayed or gone), its first group numbered `next_group`.
+    pub(super) fn create(
+        directory: &Path,
+        sequence: u64,
+        next_group: u64,
+    ) -> Result<Writer, Error> {
+        if !directory.is_dir() {
+            std::fs::create_dir_all(directory)?;
+            // The log directory's own entry: without this a power cut can
+            // take the whole log of a fresh data directory with it.
+            if let Some(parent) = directory.parent() {
+                sync_directory(parent)?;
+            }
+        }
+        let (file, capacity, magic) = new_segment(directory, sequence, SEGMENT_BYTES)?;
         Ok(Writer {
             directory: directory.to_path_buf(),
             file,
             sequence,
-            offset: 0,
+            offset: SEGMENT_HEADER_BYTES as u64,
             capacity,
+            magic,
+            next_group,
             since_seal: 0,
         })
     }
@@ -346,14 +615,14 @@ impl Writer {
         self.sequence
     }
 
-    /// Writes `frames` (whole frames) after what is there, moving to a new
-    /// segment first when they do not fit. Not synced.
+    /// Writes `frames` (whole frames) as one group after what is there,
+    /// moving to a new segment first when they do not fit. Not synced.
     pub(super) fn write(&mut self, frames: &[u8]) -> Result<(), Error> {
         if frames.is_empty() {
             return Ok(());
         }
-        let len = frames.len() as u64;
-        if self.offset + len > self.capacity && self.offset > 0 {
+        let len = (GROUP_HEADER_BYTES + frames.len()) as u64;
+        if self.offset + len > self.capacity && self.offset > SEGMENT_HEADER_BYTES as u64 {
             match self.rotate(len) {
                 Ok(()) => {}
                 // No descriptor or no room for a new file: this segment
@@ -365,9 +634,19 @@ impl Writer {
                 Err(error) => return Err(error),
             }
         }
-        self.file.write_all_at(frames, self.offset)?;
+        let group_len = u32::try_from(frames.len()).expect("a group larger than 4 GiB");
+        let mut header = [0; GROUP_HEADER_BYTES];
+        header[..4].copy_from_slice(&self.magic.to_le_bytes());
+        header[4..12].copy_from_slice(&self.next_group.to_le_bytes());
+        header[12..16].copy_from_slice(&group_len.to_le_bytes());
+        let crc = group_crc(&header[4..16], frames);
+        header[16..20].copy_from_slice(&crc.to_le_bytes());
+        self.file.write_all_at(&header, self.offset)?;
+        self.file
+            .write_all_at(frames, self.offset + GROUP_HEADER_BYTES as u64)?;
         self.offset += len;
         self.since_seal += len;
+        self.next_group += 1;
         Ok(())
     }
 
@@ -390,31 +669,42 @@ impl Writer {
 
     fn rotate(&mut self, at_least: u64) -> Result<(), Error> {
         let sequence = self.sequence + 1;
-        let (file, capacity) = new_segment(&self.directory, sequence, SEGMENT_BYTES.max(at_least))?;
+        let (file, capacity, magic) = new_segment(
+            &self.directory,
+            sequence,
+            SEGMENT_BYTES.max(at_least + SEGMENT_HEADER_BYTES as u64),
+        )?;
         self.file = file;
+        self.magic = magic;
         self.sequence = sequence;
-        self.offset = 0;
+        self.offset = SEGMENT_HEADER_BYTES as u64;
         self.capacity = capacity;
         Ok(())
     }
 }
 
-/// Creates a preallocated segment and makes its name durable. Preallocation
-/// that the filesystem refuses (no `fallocate`, or short of space: the disk
-/// reserve refuses writes before that) leaves a segment that grows as it is
-/// written, which costs each sync a metadata update but loses nothing.
-fn new_segment(directory: &Path, sequence: u64, size: u64) -> Result<(File, u64), Error> {
+/// Set once a segment could not be preallocated (warned once a process).
+static NOT_PREALLOCATED: AtomicBool = AtomicBool::new(false);
+
+/// Creates a segment, preallocated where it can be, and makes it and its
+/// name durable. Preallocation that the filesystem refuses (no
+/// `fallocate`, or short of space: the disk reserve refuses writes before
+/// that) leaves a segment that grows as it is written, which costs each
+/// sync a metadata update but loses nothing.
+fn new_segment(directory: &Path, sequence: u64, size: u64) -> Result<(File, u64, u32), Error> {
     let path = segment_path(directory, sequence);
     let created = create_segment(directory, &path, size);
     if created.is_err() {
-        // A segment left behind would make the current one not the last,
-        // and a torn tail there would then read as damage.
-        let _ = std::fs::remove_file(&path);
+        // A segment left behind is harmless to recovery (one holding no
+        // group is ignored), but its removal is made durable all the same.
+        if std::fs::remove_file(&path).is_ok() {
+            let _ = sync_directory(directory);
+        }
     }
     created
 }
 
-fn create_segment(directory: &Path, path: &Path, size: u64) -> Result<(File, u64), Error> {
+fn create_segment(directory: &Path, path: &Path, size: u64) -> Result<(File, u64, u32), Error> {
     // Truncated, not refused, if it exists: a segment of a sequence above
     // every one replayed is what an earlier failed start of it left.
     let file = OpenOptions::new()
@@ -423,13 +713,22 @@ fn create_segment(directory: &Path, path: &Path, size: u64) -> Result<(File, u64
         .create(true)
         .truncate(true)
         .open(path)?;
+    let magic = rand::random::<u32>().max(1);
+    let mut header = [0; SEGMENT_HEADER_BYTES];
+    header[..SEGMENT_MAGIC.len()].copy_from_slice(SEGMENT_MAGIC);
+    header[SEGMENT_MAGIC.len()..].copy_from_slice(&magic.to_le_bytes());
+    file.write_all_at(&header, 0)?;
     // Only with room to spare: a filesystem may take the space page by page
     // before it refuses (tmpfs does), and sled must never see a full disk,
-    // not even for a moment.
-    let room = rustix::fs::statvfs(directory)
-        .map(|stat| stat.f_bavail.saturating_mul(stat.f_frsize))
-        .unwrap_or(0);
-    let preallocated = if room >= size.saturating_mul(PREALLOCATE_ROOM_FACTOR) {
+    // not even for a moment. A filesystem that does not report its space
+    // is tried (see `disk`).
+    let room = Capacity::of(directory)
+        .ok()
+        .map_or(Some(false), |capacity| {
+            capacity.has_room(size.saturating_mul(PREALLOCATE_ROOM_FACTOR))
+        })
+        .unwrap_or(true);
+    let preallocated = if room {
         rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, size)
             .map_err(io::Error::from)
     } else {
@@ -439,17 +738,21 @@ fn create_segment(directory: &Path, path: &Path, size: u64) -> Result<(File, u64
         ))
     };
     let capacity = match preallocated {
-        Ok(()) => {
-            file.sync_all()?;
-            size
-        }
+        Ok(()) => size,
         Err(error) => {
-            tracing::warn!(%error, segment = %path.display(), "log segment not preallocated");
+            if !NOT_PREALLOCATED.swap(true, Relaxed) {
+                tracing::warn!(
+                    %error,
+                    segment = %path.display(),
+                    "log segment not preallocated (warned once); it grows as it is written"
+                );
+            }
             u64::MAX
         }
     };
+    file.sync_all()?;
     sync_directory(directory)?;
-    Ok((file, capacity))
+    Ok((file, capacity, magic))
 }
 
 /// Deletes every segment up to `sequence` (a checkpoint covers them),
@@ -485,11 +788,25 @@ pub(super) fn sync_directory(path: &Path) -> Result<(), Error> {
 mod tests {
     use super::*;
 
-    fn write_segment(directory: &Path, sequence: u64, frames: &[u8]) -> PathBuf {
-        let mut writer = Writer::create(directory, sequence).unwrap();
-        writer.write(frames).unwrap();
-        writer.sync().unwrap();
-        segment_path(directory, sequence)
+    /// Writes one segment of groups (each synced), the first numbered
+    /// `first_group`; returns its path and where each group starts.
+    fn write_groups(
+        directory: &Path,
+        sequence: u64,
+        first_group: u64,
+        groups: &[Vec<u8>],
+    ) -> (PathBuf, Vec<usize>) {
+        let mut writer = Writer::create(directory, sequence, first_group).unwrap();
+        let mut starts = Vec::new();
+        for frames in groups {
+            starts.push(writer.offset as usize);
+            writer.write(frames).unwrap();
+            writer.sync().unwrap();
+        }
+        // The preallocated zeros cut to 4 KiB: the cases below read the
+        // log hundreds of times each.
+        writer.file.set_len(writer.offset + 4096).unwrap();
+        (segment_path(directory, sequence), starts)
     }
 
     fn frames(lsns: std::ops::Range<u64>) -> Vec<u8> {
@@ -506,6 +823,20 @@ mod tests {
             );
         }
         buffer
+    }
+
+    fn overwrite(path: &Path, at: usize, bytes: &[u8]) {
+        let file = OpenOptions::new().write(true).open(path).unwrap();
+        file.write_all_at(bytes, at as u64).unwrap();
+    }
+
+    fn flip(path: &Path, at: usize) {
+        let mut byte = [0];
+        File::open(path)
+            .unwrap()
+            .read_exact_at(&mut byte, at as u64)
+            .unwrap();
+        overwrite(path, at, &[byte[0] ^ 0x10]);
     }
 
     /// A frame read back: LSN, key, value.
@@ -527,75 +858,178 @@ mod tests {
     }
 
     #[test]
-    fn frames_written_in_segments_replay_in_order_with_removals() {
+    fn groups_written_in_segments_replay_in_order_with_removals() {
         let dir = tempfile::tempdir().unwrap();
-        write_segment(dir.path(), 1, &frames(1..50));
-        write_segment(dir.path(), 2, &frames(50..60));
+        write_groups(dir.path(), 1, 1, &[frames(1..40), frames(40..50)]);
+        write_groups(dir.path(), 2, 3, &[frames(50..60)]);
         let (seen, replayed) = collect(dir.path()).unwrap();
         assert_eq!(seen.len(), 59);
         assert_eq!(seen[0], (1, b"key-1".to_vec(), Some(b"value-1".to_vec())));
         assert_eq!(seen[4], (5, b"key-5".to_vec(), None));
         assert_eq!(replayed.next_lsn, 60);
+        assert_eq!(replayed.next_group, 4);
         assert_eq!(replayed.last_segment, 2);
         assert_eq!(replayed.torn, None);
     }
 
-    /// Every cut of the last frame (a write the power took half of) ends
-    /// the log at the frame before it.
+    /// Every cut of the last group (a write the power took part of: the
+    /// rest reads as the preallocated zeros) ends the log at the group
+    /// before it.
     #[test]
-    fn a_torn_tail_ends_the_log_at_the_last_whole_frame() {
-        let whole = frames(1..4);
-        let two = frames(1..3).len();
-        for cut in two + 1..whole.len() {
-            let dir = tempfile::tempdir().unwrap();
-            write_segment(dir.path(), 1, &whole[..cut]);
+    fn a_torn_last_group_ends_the_log_at_the_group_before() {
+        let groups = [frames(1..3), frames(3..6)];
+        let dir = tempfile::tempdir().unwrap();
+        let (path, starts) = write_groups(dir.path(), 1, 1, &groups);
+        let whole = std::fs::read(&path).unwrap();
+        let end = starts[1] + GROUP_HEADER_BYTES + groups[1].len();
+        for cut in starts[1]..end {
+            overwrite(&path, cut, &vec![0; end - cut]);
             let (seen, replayed) = collect(dir.path()).unwrap();
             assert_eq!(seen.len(), 2, "cut at {cut}");
-            assert!(replayed.torn.is_some(), "cut at {cut}");
-            assert_eq!(replayed.next_lsn, 3);
+            assert_eq!(replayed.next_lsn, 3, "cut at {cut}");
+            assert_eq!(replayed.torn.is_some(), cut > starts[1], "cut at {cut}");
+            overwrite(&path, 0, &whole);
         }
     }
 
-    /// A flipped bit anywhere in the last frame fails its checksum; the
-    /// frames before it stand.
+    /// A flipped bit anywhere in the last group fails its checksum; the
+    /// groups before it stand.
     #[test]
-    fn a_corrupted_last_frame_is_dropped_by_its_checksum() {
-        let whole = frames(1..4);
-        let two = frames(1..3).len();
-        for at in two..whole.len() {
-            let mut damaged = whole.clone();
-            damaged[at] ^= 0x10;
-            let dir = tempfile::tempdir().unwrap();
-            write_segment(dir.path(), 1, &damaged);
+    fn a_corrupted_last_group_is_dropped_by_its_checksum() {
+        let groups = [frames(1..3), frames(3..6)];
+        let dir = tempfile::tempdir().unwrap();
+        let (path, starts) = write_groups(dir.path(), 1, 1, &groups);
+        for at in starts[1]..starts[1] + GROUP_HEADER_BYTES + groups[1].len() {
+            flip(&path, at);
             let (seen, replayed) = collect(dir.path()).unwrap();
             assert_eq!(seen.len(), 2, "bit flipped at {at}");
-            assert!(replayed.torn.is_some());
+            assert!(replayed.torn.is_some(), "bit flipped at {at}");
+            flip(&path, at);
         }
     }
 
+    /// Issue 38 item 5: damage in an early group with synced groups after
+    /// it is not a torn tail. It used to end the log silently, dropping
+    /// every acknowledged change after it.
     #[test]
-    fn damage_before_the_last_segment_refuses_to_open() {
+    fn damage_followed_by_a_later_group_refuses_to_open_naming_file_and_byte() {
         let dir = tempfile::tempdir().unwrap();
-        let mut first = frames(1..10);
-        first[20] ^= 1;
-        write_segment(dir.path(), 1, &first);
-        write_segment(dir.path(), 2, &frames(10..12));
+        let groups = [frames(1..3), frames(3..6), frames(6..9)];
+        let (path, starts) = write_groups(dir.path(), 1, 1, &groups);
+        flip(&path, starts[1] + GROUP_HEADER_BYTES + 5);
+        let error = collect(dir.path()).unwrap_err().to_string();
+        assert!(error.contains(&path.display().to_string()), "{error}");
+        assert!(error.contains(&format!("at byte {}", starts[1])), "{error}");
+        assert!(error.contains("checksum"), "{error}");
+        // And when the later group is in a later segment.
+        let dir = tempfile::tempdir().unwrap();
+        let (path, starts) = write_groups(dir.path(), 1, 1, &groups[..2]);
+        write_groups(dir.path(), 2, 3, &groups[2..]);
+        flip(&path, starts[1] + 3);
         let error = collect(dir.path()).unwrap_err();
         assert!(matches!(error, Error::Corrupt(_)), "{error}");
     }
 
+    /// A group header with a matching checksum inside an answer (a client's
+    /// bytes, or a copy of another log) must not make a torn tail read as
+    /// damage: the segment's group magic is random, and far numbers are
+    /// not taken as proof.
     #[test]
-    fn a_gap_in_lsns_refuses_to_open() {
+    fn group_like_bytes_in_an_answer_do_not_turn_a_torn_tail_into_damage() {
         let dir = tempfile::tempdir().unwrap();
-        write_segment(dir.path(), 1, &frames(1..10));
-        write_segment(dir.path(), 2, &frames(11..12));
+        let (path, _) = write_groups(dir.path(), 1, 1, &[frames(1..3)]);
+        let own_magic = group_magic(&std::fs::read(&path).unwrap()).unwrap();
+        let fake = |magic: u32, number: u64| {
+            let inner = frames(100..101);
+            let mut header = Vec::new();
+            header.extend_from_slice(&magic.to_le_bytes());
+            header.extend_from_slice(&number.to_le_bytes());
+            header.extend_from_slice(&(inner.len() as u32).to_le_bytes());
+            let crc = group_crc(&header[4..16], &inner);
+            header.extend_from_slice(&crc.to_le_bytes());
+            header.extend_from_slice(&inner);
+            header
+        };
+        for planted in [fake(own_magic ^ 1, 3), fake(own_magic, u64::MAX)] {
+            let dir = tempfile::tempdir().unwrap();
+            let mut second = Vec::new();
+            encode_frame(&mut second, 3, Tree::Records, b"answer", Some(&planted));
+            let (path, starts) = write_groups(dir.path(), 1, 1, &[frames(1..3), second]);
+            // The power took the second group's first bytes.
+            overwrite(&path, starts[1], &[0; 4]);
+            let (seen, replayed) = collect(dir.path()).unwrap();
+            assert_eq!(seen.len(), 2);
+            assert!(replayed.torn.is_some());
+        }
+    }
+
+    /// Issue 38 item 4: a segment whose creation a power cut (or an error)
+    /// cut short holds no group; the torn tail before it is still a tail.
+    /// It used to make the store refuse to open.
+    #[test]
+    fn empty_segments_after_a_torn_tail_are_ignored() {
+        for empty in [
+            &b""[..],
+            &SEGMENT_MAGIC[..],
+            &b"dedupWAL\x07\0\0\0"[..],
+            &[0; 4096][..],
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let groups = [frames(1..3), frames(3..6)];
+            let (path, starts) = write_groups(dir.path(), 1, 1, &groups);
+            overwrite(&path, starts[1] + GROUP_HEADER_BYTES + 4, &[0; 16]);
+            std::fs::write(segment_path(dir.path(), 2), empty).unwrap();
+            let (seen, replayed) = collect(dir.path()).unwrap();
+            assert_eq!(seen.len(), 2);
+            assert!(replayed.torn.is_some());
+            // A new writer starts after every segment found.
+            assert_eq!(replayed.last_segment, 2);
+            assert_eq!(replayed.next_group, 2);
+        }
+    }
+
+    #[test]
+    fn damage_before_the_last_segment_of_frames_only_refuses_to_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut first = frames(1..10);
+        first[20] ^= 1;
+        std::fs::write(segment_path(dir.path(), 1), &first).unwrap();
+        std::fs::write(segment_path(dir.path(), 2), frames(10..12)).unwrap();
+        let error = collect(dir.path()).unwrap_err();
+        assert!(matches!(error, Error::Corrupt(_)), "{error}");
+    }
+
+    /// Segments of the format before group headers (a store upgraded in
+    /// place) replay, a torn last frame ending them.
+    #[test]
+    fn segments_of_frames_only_still_replay() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(segment_path(dir.path(), 1), frames(1..10)).unwrap();
+        let mut last = frames(10..13);
+        last.truncate(last.len() - 3);
+        std::fs::write(segment_path(dir.path(), 2), &last).unwrap();
+        let (seen, replayed) = collect(dir.path()).unwrap();
+        assert_eq!(seen.len(), 11);
+        assert!(replayed.torn.is_some());
+        assert_eq!(replayed.next_lsn, 12);
+    }
+
+    #[test]
+    fn a_gap_in_lsns_or_group_numbers_refuses_to_open() {
+        let dir = tempfile::tempdir().unwrap();
+        write_groups(dir.path(), 1, 1, &[frames(1..10)]);
+        write_groups(dir.path(), 2, 2, &[frames(11..12)]);
+        assert!(matches!(collect(dir.path()), Err(Error::Corrupt(_))));
+        let dir = tempfile::tempdir().unwrap();
+        write_groups(dir.path(), 1, 1, &[frames(1..10)]);
+        write_groups(dir.path(), 2, 3, &[frames(10..12)]);
         assert!(matches!(collect(dir.path()), Err(Error::Corrupt(_))));
     }
 
     #[test]
     fn a_group_larger_than_a_segment_gets_one_of_its_own_and_sealed_segments_go() {
         let dir = tempfile::tempdir().unwrap();
-        let mut writer = Writer::create(dir.path(), 1).unwrap();
+        let mut writer = Writer::create(dir.path(), 1, 1).unwrap();
         writer.write(&frames(1..3)).unwrap();
         let mut big = Vec::new();
         encode_frame(
@@ -618,5 +1052,18 @@ mod tests {
         let (seen, replayed) = collect(dir.path()).unwrap();
         assert_eq!(seen.iter().map(|frame| frame.0).collect::<Vec<_>>(), [4, 5]);
         assert_eq!(replayed.last_segment, 3);
+        assert_eq!(replayed.next_group, 4);
+    }
+
+    /// Issue 38 item 3: a fresh data directory's log directory is created
+    /// and its entry synced with it.
+    #[test]
+    fn the_writer_creates_the_log_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join(WAL_DIR);
+        let mut writer = Writer::create(&log, 1, 1).unwrap();
+        writer.write(&frames(1..2)).unwrap();
+        writer.sync().unwrap();
+        assert_eq!(collect(&log).unwrap().0.len(), 1);
     }
 }
