@@ -326,8 +326,9 @@ async fn start(config: &RunConfig, index: usize, port: u16) -> Result<Sidecar, S
         .args([
             "--listen",
             &format!("127.0.0.1:{port}"),
+            // (Its /readyz says when the store is ready: see below.)
             "--metrics-listen",
-            "off",
+            "127.0.0.1:0",
         ])
         .args(["--default-retention", RETENTION, "--log", "warn"])
         .arg("--data-dir")
@@ -351,7 +352,46 @@ async fn start(config: &RunConfig, index: usize, port: u16) -> Result<Sidecar, S
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    Ok(sidecar)
+    // Serving is not ready: a shared store's connection and schema come
+    // after the listener (a sidecar whose store is down still starts, and
+    // says NOT_SERVING). Calls start once /readyz says so, as a Kubernetes
+    // readiness probe would let them; until then this is the start's time.
+    loop {
+        if readyz_ok(&ready).await {
+            return Ok(sidecar);
+        }
+        if let Ok(Some(status)) = sidecar.child.try_wait() {
+            return Err(format!("dedupd exited at start: {status}"));
+        }
+        if Instant::now() > deadline {
+            return Err("dedupd's /readyz did not answer 200 within 30 s".into());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Whether the sidecar whose ready file is `ready` answers `/readyz` 200.
+async fn readyz_ok(ready: &std::path::Path) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Some(ops) = std::fs::read_to_string(ready)
+        .ok()
+        .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+        .and_then(|value| value["metrics"].as_str().map(str::to_owned))
+    else {
+        return false;
+    };
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(&ops).await?;
+        let request = format!("GET /readyz HTTP/1.1\r\nHost: {ops}\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await?;
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).await?;
+        Ok::<_, std::io::Error>(answer)
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(2), exchange).await,
+        Ok(Ok(answer)) if answer.starts_with(b"HTTP/1.1 200")
+    )
 }
 
 /// Runs the clients and the killer; returns the history.
