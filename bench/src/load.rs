@@ -65,6 +65,10 @@ pub struct LoadArgs {
     /// Namespace the IDs are claimed in.
     #[arg(long, default_value = "bench")]
     pub namespace: String,
+    /// The answer each Commit stores, in bytes (dedupd and the no-op server
+    /// only: the Redis and PostgreSQL baselines store none).
+    #[arg(long, default_value_t = 0)]
+    pub response_bytes: usize,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -154,6 +158,10 @@ pub async fn run(args: LoadArgs) -> i32 {
         eprintln!("dedupd-bench: --duplicate-share must be between 0 and 1");
         return 64;
     }
+    if args.response_bytes > 0 && matches!(args.target, Target::Redis(_) | Target::Postgres(_)) {
+        eprintln!("dedupd-bench: --response-bytes is for dedupd:// and noop:// targets only");
+        return 64;
+    }
     let connections = match args.target.connect(args.channels).await {
         Ok(connections) => connections,
         Err(error) => {
@@ -222,7 +230,9 @@ async fn seed_pool(
             .cloned()
             .zip(claimed.into_iter().map(|(_, token)| token))
             .collect();
-        connection.commit_batch(&args.namespace, &to_commit).await?;
+        connection
+            .commit_batch(&args.namespace, &to_commit, &[])
+            .await?;
     }
     Ok(pool)
 }
@@ -230,6 +240,7 @@ async fn seed_pool(
 async fn drive(plan: Arc<Plan>, task: usize, mut connection: Connection) -> TaskReport {
     let args = &plan.args;
     let namespace = args.namespace.as_str();
+    let response = vec![b'r'; args.response_bytes];
     let mut report = TaskReport::new();
     let mut sequence = 0u64;
     let mut fresh_id = || {
@@ -267,7 +278,9 @@ async fn drive(plan: Arc<Plan>, task: usize, mut connection: Connection) -> Task
                         report.claims += 1;
                     }
                     if outcome == Outcome::Claimed {
-                        let committed = connection.commit(namespace, &id, &lease_token).await?;
+                        let committed = connection
+                            .commit(namespace, &id, &lease_token, &response)
+                            .await?;
                         report.calls += 1;
                         report.count(committed);
                     }
@@ -285,7 +298,10 @@ async fn drive(plan: Arc<Plan>, task: usize, mut connection: Connection) -> Task
                             .into_iter()
                             .zip(claimed.into_iter().map(|(_, token)| token))
                             .collect();
-                        for outcome in connection.commit_batch(namespace, &to_commit).await? {
+                        for outcome in connection
+                            .commit_batch(namespace, &to_commit, &response)
+                            .await?
+                        {
                             report.count(outcome);
                         }
                         report.calls += 1;

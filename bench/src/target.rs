@@ -283,11 +283,17 @@ fn claim_request(namespace: &str, id: &str) -> pb::ClaimRequest {
     }
 }
 
-fn commit_request(namespace: &str, id: &str, lease_token: &str) -> pb::CommitRequest {
+fn commit_request(
+    namespace: &str,
+    id: &str,
+    lease_token: &str,
+    response: &[u8],
+) -> pb::CommitRequest {
     pb::CommitRequest {
         namespace: namespace.to_owned(),
         correlation_id: id.to_owned(),
         lease_token: lease_token.to_owned(),
+        response: response.to_vec(),
         ..Default::default()
     }
 }
@@ -354,17 +360,18 @@ impl Connection {
         }
     }
 
-    /// Commits one claimed ID.
+    /// Commits one claimed ID with `response` (stored by dedupd only).
     pub async fn commit(
         &mut self,
         namespace: &str,
         id: &str,
         lease_token: &str,
+        response: &[u8],
     ) -> Result<Outcome, Failure> {
         match self {
             Connection::Grpc(client) => {
                 let response = client
-                    .commit(commit_request(namespace, id, lease_token))
+                    .commit(commit_request(namespace, id, lease_token, response))
                     .await
                     .map_err(failed)?
                     .into_inner();
@@ -455,17 +462,19 @@ impl Connection {
         }
     }
 
-    /// Commits many claims in one call.
+    /// Commits many claims in one call, each with `response` (stored by
+    /// dedupd only).
     pub async fn commit_batch(
         &mut self,
         namespace: &str,
         claims: &[(String, String)],
+        response: &[u8],
     ) -> Result<Vec<Outcome>, Failure> {
         match self {
             Connection::Grpc(client) => {
                 let items = claims
                     .iter()
-                    .map(|(id, token)| commit_request(namespace, id, token))
+                    .map(|(id, token)| commit_request(namespace, id, token, response))
                     .collect();
                 let response = client
                     .commit_batch(pb::CommitBatchRequest { items })

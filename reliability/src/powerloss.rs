@@ -46,8 +46,10 @@ pub const MAX_ANSWER: usize = 1 << 20;
 pub struct PowerLossConfig {
     /// The LazyFS binary.
     pub lazyfs: PathBuf,
-    /// Power cuts at random moments of the load.
+    /// Power cuts at random moments of the mixed load.
     pub cuts: usize,
+    /// Power cuts at random moments of the segment-reuse load.
+    pub reuse_cuts: usize,
     /// How long the load runs before a cut: uniformly in this range.
     pub load: (Duration, Duration),
     /// Whether the targeted cuts run too.
@@ -60,11 +62,36 @@ pub struct PowerLossConfig {
     pub extra_flags: Vec<String>,
 }
 
+/// The figures of one store's cycles of load, cut, restart and check.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Cycles {
+    /// Power cuts made at random moments of the load, each followed by a
+    /// restart and a check.
+    pub cuts: usize,
+    /// Seconds of load (a checkpoint a second).
+    pub load_seconds: f64,
+    /// Bytes of answers below [`LARGE`] committed (kept in sled's log, not
+    /// its blob files), and the size of sled's log (`db`) at the end: the
+    /// first many times the second means sled freed segments and wrote
+    /// them again.
+    pub small_answer_bytes: u64,
+    pub sled_log_bytes: u64,
+    /// dedupd's log segments the store created: one per checkpoint, and
+    /// one per start.
+    pub log_segments: u64,
+}
+
 /// The run's figures, and what is wrong (empty: passed).
 #[derive(Debug, Default)]
 pub struct PowerLoss {
-    /// Random cuts made, each followed by a restart and a check.
-    pub cuts: usize,
+    /// The mixed load's store: every kind of call, fresh keys.
+    pub random: Cycles,
+    /// The segment-reuse store: a fixed set of keys forgotten and committed
+    /// again and again, so sled's log stays small while far more is written
+    /// through it — its garbage collection moves live pages out of old
+    /// segments, frees them and writes new pages over them, across many
+    /// checkpoints (issue 38, item 2).
+    pub reuse: Cycles,
     /// Targeted cuts made (injections that fired).
     pub targeted: usize,
     /// Targeted cuts whose injection never fired (its operation never came).
@@ -80,13 +107,6 @@ pub struct PowerLoss {
     pub checks: u64,
     /// The longest restart (open, replay, checkpoint) after a cut.
     pub slowest_restart: Duration,
-    /// Seconds of load on the random cuts' store (a checkpoint a second).
-    pub load_seconds: f64,
-    /// Bytes of answers below [`LARGE`] committed there (kept in sled's
-    /// log, not its blob files), and the size of sled's log at the end:
-    /// the second far below the first means sled freed and reused segments.
-    pub small_answer_bytes: u64,
-    pub sled_log_bytes: u64,
     /// What is wrong.
     pub failures: Vec<String>,
 }
@@ -117,11 +137,9 @@ struct Model {
     commits: u64,
     large_commits: u64,
     small_answer_bytes: u64,
-    /// Failed calls, by reason (after a cut, or a targeted cut's
-    /// injection: any may fail).
-    errors: BTreeMap<String, u64>,
     /// Set from just before a random cut: calls failing while it is not
-    /// set go to `failed_before_cut`, and fail the run.
+    /// set go to `failed_before_cut`, and fail the run (after it, or under
+    /// a targeted cut's injection, any call may fail).
     cutting: bool,
     failed_before_cut: BTreeMap<String, u64>,
     /// Whether the store may fail calls at any time (targeted cuts).
@@ -230,13 +248,40 @@ fn flags(config: &PowerLossConfig) -> Vec<String> {
 /// Runs the suite with `binary` (dedupd) under `work`.
 pub async fn run(binary: &Path, work: &Path, config: &PowerLossConfig) -> PowerLoss {
     let mut report = PowerLoss::default();
-    let model = Arc::new(Mutex::new(Model::default()));
-    if let Err(failure) =
-        random_cuts(binary, &work.join("random"), config, &model, &mut report).await
-    {
-        report.failures.push(failure);
+    for (workload, cuts) in [
+        (Workload::Mixed, config.cuts),
+        (Workload::Reuse, config.reuse_cuts),
+    ] {
+        if cuts == 0 || !report.failures.is_empty() {
+            continue;
+        }
+        let model = Arc::new(Mutex::new(Model::default()));
+        let dir = work.join(workload.directory());
+        let mut cycles = Cycles::default();
+        if let Err(failure) = random_cuts(
+            binary,
+            &dir,
+            config,
+            (workload, cuts),
+            &model,
+            &mut cycles,
+            &mut report,
+        )
+        .await
+        {
+            report.failures.push(failure);
+        }
+        tally(&model, &mut report);
+        match workload {
+            Workload::Mixed => report.random = cycles,
+            Workload::Reuse => {
+                report.reuse = cycles;
+                if report.failures.is_empty() {
+                    report.failures.extend(reuse_shortfall(&cycles));
+                }
+            }
+        }
     }
-    tally(&model, &mut report);
     if config.targeted && report.failures.is_empty() {
         for (index, injection) in targeted_cuts().into_iter().enumerate() {
             let dir = work.join(format!("target-{index}"));
@@ -259,18 +304,72 @@ pub async fn run(binary: &Path, work: &Path, config: &PowerLossConfig) -> PowerL
     report
 }
 
-/// `config.cuts` cycles of load, cut, restart, check on one data directory.
+/// What the load's tasks do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Workload {
+    /// Every kind of call, on fresh keys: the store grows.
+    Mixed,
+    /// Each task's fixed keys forgotten and committed again in turn (small
+    /// answers of changing sizes), and short-retention commits the reaper
+    /// removes: what is live stays small, what is written through sled's
+    /// log does not.
+    Reuse,
+}
+
+impl Workload {
+    fn directory(self) -> &'static str {
+        match self {
+            Workload::Mixed => "random",
+            Workload::Reuse => "reuse",
+        }
+    }
+}
+
+/// Keys each task of the segment-reuse load cycles through.
+const REUSE_KEYS: usize = 16;
+/// Its answers' sizes, a key's next generation taking the next one (all
+/// below [`LARGE`]: they go through sled's log).
+const REUSE_SIZES: [usize; 4] = [700, 3000, 9000, 20000];
+/// The shortest range of a segment-reuse cycle's load.
+const REUSE_LOAD: (Duration, Duration) = (Duration::from_secs(2), Duration::from_secs(4));
+/// How many times the small answers committed must outweigh sled's log at
+/// the end for the stage to show that sled wrote over freed segments.
+const REUSE_FACTOR: u64 = 3;
+/// Checkpoints the segment-reuse load must span (issue 38: at least three).
+const REUSE_CHECKPOINTS: u64 = 3;
+
+/// Why the segment-reuse stage did not show what it is for, if it did not.
+fn reuse_shortfall(cycles: &Cycles) -> Option<String> {
+    // One segment per start (the cuts' restarts and the last check's) and
+    // one per checkpoint.
+    let checkpoints = cycles.log_segments.saturating_sub(cycles.cuts as u64 + 1);
+    (cycles.small_answer_bytes < REUSE_FACTOR * cycles.sled_log_bytes
+        || checkpoints < REUSE_CHECKPOINTS)
+        .then(|| {
+            format!(
+                "the segment-reuse stage did not reuse sled's segments across checkpoints: {} \
+                 bytes of answers committed through a log of {} bytes (at least {REUSE_FACTOR}× \
+                 needed), over {checkpoints} checkpoints (at least {REUSE_CHECKPOINTS})",
+                cycles.small_answer_bytes, cycles.sled_log_bytes
+            )
+        })
+}
+
+/// `cuts` cycles of `workload`'s load, cut, restart, check on one data
+/// directory.
 async fn random_cuts(
     binary: &Path,
     work: &Path,
     config: &PowerLossConfig,
+    (workload, cuts): (Workload, usize),
     model: &Arc<Mutex<Model>>,
+    cycles: &mut Cycles,
     report: &mut PowerLoss,
 ) -> Result<(), String> {
     let mut lazyfs = LazyFs::mount(&config.lazyfs, work, &[])?;
     let data = lazyfs.mount.join("data");
     let mut rng = rand::rngs::StdRng::seed_from_u64(now_s());
-    for cut in 0..config.cuts {
+    for cut in 0..cuts {
         let started = Instant::now();
         let sidecar = Sidecar::start_on(binary, work, &data, &flags(config))
             .await
@@ -286,15 +385,23 @@ async fn random_cuts(
             ));
             return Ok(());
         }
-        let load_for = rng.random_range(config.load.0..=config.load.1);
+        let (shortest, longest) = match workload {
+            Workload::Mixed => config.load,
+            // Long enough for many times the live set to go through sled.
+            Workload::Reuse => (
+                config.load.0.max(REUSE_LOAD.0),
+                config.load.1.max(REUSE_LOAD.1),
+            ),
+        };
+        let load_for = rng.random_range(shortest..=longest);
         let before = model.lock().expect("not poisoned").commits;
         // The cut comes in the middle of the load: calls in flight, groups
         // half written. The tasks end a moment after it.
         let mut tasks = start_load(
             &sidecar,
             config,
+            (workload, cut),
             model,
-            cut,
             Instant::now() + load_for + CUT_TAIL,
         )
         .await?;
@@ -303,13 +410,12 @@ async fn random_cuts(
         sidecar.kill_9().await;
         lazyfs.clear_cache()?;
         while tasks.join_next().await.is_some() {}
-        report.load_seconds += load_for.as_secs_f64();
+        cycles.load_seconds += load_for.as_secs_f64();
         // No call may fail before the cut, and the load must have done
         // something (a store that refuses every write would pass).
         let (commits, failed_before_cut) = {
             let mut model = model.lock().expect("not poisoned");
             model.cutting = false;
-            model.errors.clear();
             (
                 model.commits - before,
                 std::mem::take(&mut model.failed_before_cut),
@@ -322,11 +428,12 @@ async fn random_cuts(
             ));
             return Ok(());
         }
-        report.cuts += 1;
+        cycles.cuts += 1;
         if (cut + 1) % 10 == 0 {
             let model = model.lock().expect("not poisoned");
             println!(
-                "{} cuts: {} commits acknowledged ({} large), {} checks",
+                "{} {} cuts: {} commits acknowledged ({} large), {} checks",
+                workload.directory(),
                 cut + 1,
                 model.commits,
                 model.large_commits,
@@ -341,9 +448,24 @@ async fn random_cuts(
     let mut client = connect(&sidecar).await?;
     check(&mut client, model, report, &mut rng).await;
     sidecar.kill_9().await;
-    report.sled_log_bytes = std::fs::metadata(data.join("db")).map_or(0, |meta| meta.len());
-    report.small_answer_bytes = model.lock().expect("not poisoned").small_answer_bytes;
+    cycles.sled_log_bytes = std::fs::metadata(data.join("db")).map_or(0, |meta| meta.len());
+    cycles.small_answer_bytes = model.lock().expect("not poisoned").small_answer_bytes;
+    cycles.log_segments = highest_segment(&data.join("wal"));
     Ok(())
+}
+
+/// The number of the newest segment in dedupd's log folder (0: none).
+fn highest_segment(wal: &Path) -> u64 {
+    std::fs::read_dir(wal)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name();
+            name.to_str()?.strip_suffix(".wal")?.parse::<u64>().ok()
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 /// One targeted cut: a fresh store under load until the injection fires
@@ -500,17 +622,24 @@ async fn load(
     round: usize,
     duration: Duration,
 ) -> Result<(), String> {
-    let mut tasks = start_load(sidecar, config, model, round, Instant::now() + duration).await?;
+    let mut tasks = start_load(
+        sidecar,
+        config,
+        (Workload::Mixed, round),
+        model,
+        Instant::now() + duration,
+    )
+    .await?;
     while tasks.join_next().await.is_some() {}
     Ok(())
 }
 
-/// Starts `config.tasks` tasks of mixed calls, to stop at `end`.
+/// Starts `config.tasks` tasks of `workload`'s calls, to stop at `end`.
 async fn start_load(
     sidecar: &Sidecar,
     config: &PowerLossConfig,
+    (workload, round): (Workload, usize),
     model: &Arc<Mutex<Model>>,
-    round: usize,
     end: Instant,
 ) -> Result<JoinSet<()>, String> {
     let mut tasks = JoinSet::new();
@@ -523,7 +652,7 @@ async fn start_load(
         let model = Arc::clone(model);
         let sizes = config.answer_sizes.clone();
         let prefix = format!("p{stamp}-{round}-{index}");
-        tasks.spawn(task(client, prefix, sizes, end, model));
+        tasks.spawn(task(client, workload, (prefix, index), sizes, end, model));
     }
     Ok(tasks)
 }
@@ -551,38 +680,46 @@ async fn claim(
         .map_err(failed("Claim"))
 }
 
+/// One client's calls: fresh keys named after `prefix`; the segment-reuse
+/// load's fixed keys after the task's `index`, the same across restarts.
 async fn task(
     mut client: ClaimAndCommitClient<Channel>,
-    prefix: String,
+    workload: Workload,
+    (prefix, index): (String, usize),
     sizes: Vec<usize>,
     end: Instant,
     model: Arc<Mutex<Model>>,
 ) {
     let mut i = 0usize;
-    while Instant::now() < end {
+    // No new call once the power is being cut: one that fails to reach the
+    // killed sidecar would still make its key's state unknown (a Forget's
+    // commit, for instance) and thin out what the check can check.
+    while Instant::now() < end && !model.lock().expect("not poisoned").cutting {
         i += 1;
         let id = format!("{prefix}-{i}");
-        let result = match i % 10 {
-            0..=4 => {
+        let result = match (workload, i % 10) {
+            (Workload::Reuse, 0) => commit(&mut client, &id, 100, SHORT_RETENTION, &model).await,
+            (Workload::Reuse, _) => {
+                let key = format!("reuse-{index}-{}", i % REUSE_KEYS);
+                let size = REUSE_SIZES[(i / REUSE_KEYS) % REUSE_SIZES.len()];
+                recommit(&mut client, &key, size, &model).await
+            }
+            (Workload::Mixed, 0..=4) => {
                 let size = sizes[(i / 10 * 5 + i % 10) % sizes.len()];
                 commit(&mut client, &id, size, LONG_RETENTION, &model).await
             }
-            5 => commit(&mut client, &id, 100, SHORT_RETENTION, &model).await,
-            6 => release(&mut client, &id, &model).await,
-            7 => hold(&mut client, &id, &model).await,
-            8 => forget(&mut client, &id, &model).await,
-            _ => batch(&mut client, &id, &model).await,
+            (Workload::Mixed, 5) => commit(&mut client, &id, 100, SHORT_RETENTION, &model).await,
+            (Workload::Mixed, 6) => release(&mut client, &id, &model).await,
+            (Workload::Mixed, 7) => hold(&mut client, &id, &model).await,
+            (Workload::Mixed, 8) => forget(&mut client, &id, &model).await,
+            (Workload::Mixed, _) => batch(&mut client, &id, &model).await,
         };
         if let Err(reason) = result {
             {
                 let mut model = model.lock().expect("not poisoned");
-                let expected = model.cutting || model.any_failure_expected;
-                let errors = if expected {
-                    &mut model.errors
-                } else {
-                    &mut model.failed_before_cut
-                };
-                *errors.entry(reason).or_default() += 1;
+                if !(model.cutting || model.any_failure_expected) {
+                    *model.failed_before_cut.entry(reason).or_default() += 1;
+                }
             }
             // The sidecar is being killed, or the file system crashed.
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -695,12 +832,40 @@ async fn hold(
     Ok(())
 }
 
+/// A fresh key committed, then forgotten.
 async fn forget(
     client: &mut ClaimAndCommitClient<Channel>,
     id: &str,
     model: &Arc<Mutex<Model>>,
 ) -> Call<()> {
     commit(client, id, 1000, LONG_RETENTION, model).await?;
+    if !send_forget(client, id, model).await? {
+        let wrong = format!("Forget of {id}, committed a moment ago, answered existed=false");
+        model.lock().expect("not poisoned").wrong.push(wrong);
+    }
+    Ok(())
+}
+
+/// A key used before (committed, or cut in the middle of a call, or new)
+/// forgotten and committed again with an answer of `size` bytes.
+async fn recommit(
+    client: &mut ClaimAndCommitClient<Channel>,
+    id: &str,
+    size: usize,
+    model: &Arc<Mutex<Model>>,
+) -> Call<()> {
+    send_forget(client, id, model).await?;
+    // From the Claim's sending on, the key is no longer known forgotten.
+    model.lock().expect("not poisoned").forgotten.remove(id);
+    commit(client, id, size, LONG_RETENTION, model).await
+}
+
+/// Forgets `id`; whether it existed.
+async fn send_forget(
+    client: &mut ClaimAndCommitClient<Channel>,
+    id: &str,
+    model: &Arc<Mutex<Model>>,
+) -> Call<bool> {
     let answer = client
         .forget(pb::ForgetRequest {
             correlation_id: id.to_owned(),
@@ -717,15 +882,11 @@ async fn forget(
         })?
         .into_inner();
     let mut model = model.lock().expect("not poisoned");
-    if !answer.existed {
-        let wrong = format!("Forget of {id}, committed a moment ago, answered existed=false");
-        model.wrong.push(wrong);
-    }
     model.acknowledged += 1;
     model.committed.remove(id);
     model.fresh.remove(id);
     model.forgotten.insert(id.to_owned());
-    Ok(())
+    Ok(answer.existed)
 }
 
 /// ClaimBatch then CommitBatch of 16 keys with 1 KiB answers.

@@ -729,31 +729,16 @@ impl IoBufs {
             let f = &self.config.file;
             pwrite_all(f, data, log_offset)?;
             if !self.config.temporary {
-                #[cfg(target_os = "linux")]
-                {
-                    use std::os::unix::io::AsRawFd;
-                    let ret = unsafe {
-                        libc::sync_file_range(
-                            f.as_raw_fd(),
-                            i64::try_from(log_offset).unwrap(),
-                            i64::try_from(total_len).unwrap(),
-                            libc::SYNC_FILE_RANGE_WAIT_BEFORE
-                                | libc::SYNC_FILE_RANGE_WRITE
-                                | libc::SYNC_FILE_RANGE_WAIT_AFTER,
-                        )
-                    };
-                    if ret < 0 {
-                        let err = std::io::Error::last_os_error();
-                        if let Some(libc::ENOSYS) = err.raw_os_error() {
-                            f.sync_all()?;
-                        } else {
-                            return Err(err.into());
-                        }
-                    }
-                }
-
-                #[cfg(not(target_os = "linux"))]
-                f.sync_all()?;
+                // dedupd: `fdatasync`, not `sync_file_range`. What is
+                // written here is marked stable below, and a stable LSN
+                // lets sled free the segments whose pages this write moved
+                // and write over them. `sync_file_range` makes nothing
+                // durable (no device cache flush, no file size or extent
+                // metadata), so a power cut could keep the overwrite and
+                // lose the moved pages: a record in neither place, its
+                // dedupd log deleted at an earlier checkpoint (issue 38,
+                // item 2; see DEDUPD.md).
+                f.sync_data()?;
             }
         }
         io_fail!(self, "buffer write post");
