@@ -807,10 +807,11 @@ async fn a_failing_fsync_stops_the_store_and_loses_nothing_acknowledged() {
     a_failing_disk_stops_the_store(Fault::FailSync, "Input/output error").await;
 }
 
-/// fsync and fdatasync fail, sled's flush (`sync_file_range`) succeeds:
-/// whichever sync meets the fault first — the group commit's, or sled's sync
-/// of a blob file it writes for a large answer (issue 38) — fails the store
-/// for good and refuses its callers. (The log's sync alone: above.)
+/// fsync and fdatasync fail, `sync_file_range` succeeds: whichever sync
+/// meets the fault first — the group commit's, or our copy of sled's sync of
+/// its log or of a blob file it writes for a large answer (issue 38) — fails
+/// the store for good and refuses its callers. (The log's sync alone:
+/// above.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_fdatasync_fails_the_group_commit_and_the_store() {
     a_failing_disk_stops_the_store(Fault::FailDataSync, "Input/output error").await;

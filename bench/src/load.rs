@@ -396,6 +396,7 @@ fn report_json(
         "target": args.target.to_string(),
         "workload": args.workload.to_possible_value().map(|v| v.get_name().to_owned()),
         "batch_size": matches!(args.workload, Workload::Batch | Workload::BatchCommit).then_some(args.batch_size),
+        "response_bytes": args.response_bytes,
         "concurrency": args.concurrency,
         "channels": args.channels,
         "client_worker_threads": workers,

@@ -128,6 +128,12 @@ struct Model {
     /// Keys committed since the last check (all checked; older ones sampled).
     fresh: BTreeSet<String>,
     forgotten: BTreeSet<String>,
+    /// The segment-reuse load's keys: the fencing token of the last
+    /// acknowledged Claim of each, and the highest one of a generation
+    /// whose Forget was acknowledged — a record of the key with a token at
+    /// or below that is a forgotten generation come back.
+    reuse_claimed: BTreeMap<String, u64>,
+    forgotten_through: BTreeMap<String, u64>,
     released: BTreeSet<String>,
     /// Held keys and the wall-clock second their renewed lease surely runs to.
     held: BTreeMap<String, u64>,
@@ -335,6 +341,9 @@ const REUSE_LOAD: (Duration, Duration) = (Duration::from_secs(2), Duration::from
 /// How many times the small answers committed must outweigh sled's log at
 /// the end for the stage to show that sled wrote over freed segments.
 const REUSE_FACTOR: u64 = 3;
+/// How many times its cuts the segment-reuse stage may make while it has
+/// not shown the reuse.
+const REUSE_MORE: usize = 4;
 /// Checkpoints the segment-reuse load must span (issue 38: at least three).
 const REUSE_CHECKPOINTS: u64 = 3;
 
@@ -369,7 +378,13 @@ async fn random_cuts(
     let mut lazyfs = LazyFs::mount(&config.lazyfs, work, &[])?;
     let data = lazyfs.mount.join("data");
     let mut rng = rand::rngs::StdRng::seed_from_u64(now_s());
-    for cut in 0..cuts {
+    // The segment-reuse load goes on past its cuts while it has not yet
+    // shown the reuse (a loaded machine commits less per second).
+    let most = match workload {
+        Workload::Mixed => cuts,
+        Workload::Reuse => cuts * REUSE_MORE,
+    };
+    for cut in 0..most {
         let started = Instant::now();
         let sidecar = Sidecar::start_on(binary, work, &data, &flags(config))
             .await
@@ -429,6 +444,9 @@ async fn random_cuts(
             return Ok(());
         }
         cycles.cuts += 1;
+        if cut + 1 >= cuts && shown(workload, cycles, model, &data) {
+            break;
+        }
         if (cut + 1) % 10 == 0 {
             let model = model.lock().expect("not poisoned");
             println!(
@@ -452,6 +470,21 @@ async fn random_cuts(
     cycles.small_answer_bytes = model.lock().expect("not poisoned").small_answer_bytes;
     cycles.log_segments = highest_segment(&data.join("wal"));
     Ok(())
+}
+
+/// Whether `workload`'s cycles have shown what they are for: the segment
+/// reuse's are measured on the files the last cut left (one start fewer
+/// than [`reuse_shortfall`] counts: a checkpoint too few, never too many).
+fn shown(workload: Workload, cycles: &mut Cycles, model: &Arc<Mutex<Model>>, data: &Path) -> bool {
+    match workload {
+        Workload::Mixed => true,
+        Workload::Reuse => {
+            cycles.sled_log_bytes = std::fs::metadata(data.join("db")).map_or(0, |meta| meta.len());
+            cycles.small_answer_bytes = model.lock().expect("not poisoned").small_answer_bytes;
+            cycles.log_segments = highest_segment(&data.join("wal"));
+            reuse_shortfall(cycles).is_none()
+        }
+    }
 }
 
 /// The number of the newest segment in dedupd's log folder (0: none).
@@ -760,6 +793,18 @@ async fn commit(
     model: &Arc<Mutex<Model>>,
 ) -> Call<()> {
     let claim_answer = claim_fresh(client, id, None, model).await?;
+    commit_claimed(client, id, claim_answer, (size, retention), model).await
+}
+
+/// Commits `id`, claimed with `claim_answer`, with an answer of `size`
+/// bytes kept for `retention`.
+async fn commit_claimed(
+    client: &mut ClaimAndCommitClient<Channel>,
+    id: &str,
+    claim_answer: pb::ClaimResponse,
+    (size, retention): (usize, Duration),
+    model: &Arc<Mutex<Model>>,
+) -> Call<()> {
     let sent = now_s();
     let answer = client
         .commit(pb::CommitRequest {
@@ -855,9 +900,22 @@ async fn recommit(
     model: &Arc<Mutex<Model>>,
 ) -> Call<()> {
     send_forget(client, id, model).await?;
-    // From the Claim's sending on, the key is no longer known forgotten.
-    model.lock().expect("not poisoned").forgotten.remove(id);
-    commit(client, id, size, LONG_RETENTION, model).await
+    {
+        let mut model = model.lock().expect("not poisoned");
+        // From the Claim's sending on, the key is no longer known absent;
+        // but no generation up to the one just forgotten may come back.
+        model.forgotten.remove(id);
+        if let Some(fencing) = model.reuse_claimed.get(id).copied() {
+            model.forgotten_through.insert(id.to_owned(), fencing);
+        }
+    }
+    let claim_answer = claim_fresh(client, id, None, model).await?;
+    model
+        .lock()
+        .expect("not poisoned")
+        .reuse_claimed
+        .insert(id.to_owned(), claim_answer.fencing_token);
+    commit_claimed(client, id, claim_answer, (size, LONG_RETENTION), model).await
 }
 
 /// Forgets `id`; whether it existed.
@@ -990,6 +1048,11 @@ async fn check(
             std::mem::take(&mut model.wrong),
         )
     };
+    let forgotten_through = model
+        .lock()
+        .expect("not poisoned")
+        .forgotten_through
+        .clone();
     report.failures.extend(wrong);
     let now = now_s();
     for (id, committed) in to_check {
@@ -1034,6 +1097,18 @@ async fn check(
                 "acknowledged Forget of {id} undone: state {}",
                 record.state
             )),
+            Err(error) => report.failures.push(format!("Lookup of {id}: {error}")),
+        }
+    }
+    for (id, through) in forgotten_through {
+        report.checks += 1;
+        match lookup(client, &id).await {
+            Ok(Some(record)) if record.fencing_token <= through => report.failures.push(format!(
+                "acknowledged Forget of {id} (fencing tokens up to {through}) undone: state \
+                     {}, fencing {}",
+                record.state, record.fencing_token
+            )),
+            Ok(_) => {}
             Err(error) => report.failures.push(format!("Lookup of {id}: {error}")),
         }
     }

@@ -17,9 +17,10 @@
 //! right edge. Expired records read as absent whether swept or not.
 //!
 //! Durability (`sync = always`) lives in dedupd's own write-ahead log
-//! ([`super::wal`]), not in sled: sled's `flush()` only `sync_file_range`s
-//! its log (no metadata, no power loss) and waiting for it costs a device
-//! round trip before our own sync. Every change is made in sled by
+//! ([`super::wal`]), not in sled: waiting for sled's `flush()` costs a
+//! device round trip of its own (an `fdatasync` of its log buffer in our
+//! copy of sled; `sync_file_range` in sled 0.34.7, which survives no power
+//! loss) before our own sync. Every change is made in sled by
 //! compare-and-swap and framed into the log under one lock (so the log's
 //! order is the order of the swaps); the committer thread writes what was
 //! framed and `fdatasync`s the log once per group commit, and the answers
@@ -1351,9 +1352,9 @@ fn bounded_checkpoint(
     }
 }
 
-/// Makes everything sled holds durable: its flush (which only
-/// `sync_file_range`s), then `fdatasync` of its log, of every blob file it
-/// wrote, and of the directory.
+/// Makes everything sled holds durable: its flush, then `fdatasync` of its
+/// log (sled's periodic flush round may have written more since), of every
+/// blob file it wrote, and of the directory.
 ///
 /// Blobs sled removed (our copy of sled moves them to `blobs.removed`, see
 /// `vendor/sled/DEDUPD.md`) before the flush began are no longer needed by

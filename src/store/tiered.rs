@@ -306,8 +306,12 @@ impl LocalTier {
             .path(&config.path)
             .cache_capacity(config.max_bytes.clamp(1 << 20, 256 << 20))
             .mode(sled::Mode::HighThroughput)
-            // A cache: nothing of it needs to reach the disk in time.
+            // A cache: nothing of it needs to reach the disk in time, nor
+            // at all — temporary, sled neither syncs its writes (our copy
+            // makes the main store's durable: vendor/sled/DEDUPD.md) nor
+            // keeps anything after it is dropped.
             .flush_every_ms(None)
+            .temporary(true)
             .open()
             .map_err(|error| Error::Store(format!("local tier: {error}")))?;
         let generations = Generations {

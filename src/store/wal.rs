@@ -1,8 +1,9 @@
 //! The embedded store's write-ahead log: where a change becomes durable.
 //!
-//! sled's own log is synced with `sync_file_range` (no metadata, no power
-//! loss) and waiting for its flush costs a device round trip of its own, so
-//! `sync = always` does not rely on it: every change sled makes is also
+//! Waiting for sled's own flush costs a device round trip of its own (and
+//! sled 0.34.7 made its log writes durable only at the end of a flush
+//! round; see `vendor/sled/DEDUPD.md`), so `sync = always` does not rely
+//! on it: every change sled makes is also
 //! framed here, and an answer waits for one `fdatasync` of this log, shared
 //! by every caller of the same group commit. sled is written without
 //! waiting and made durable only at a *checkpoint* (its flush, then a sync

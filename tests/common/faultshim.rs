@@ -36,7 +36,7 @@ fn shim() -> &'static Path {
 pub enum Fault {
     /// fsync and friends fail with EIO.
     FailSync,
-    /// fsync and fdatasync alone fail with EIO (dedupd's sync, not sled's).
+    /// fsync and fdatasync alone fail with EIO (`sync_file_range` does not).
     FailDataSync,
     /// Writes fail with EROFS.
     ReadOnly,

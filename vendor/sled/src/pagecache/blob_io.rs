@@ -95,9 +95,12 @@ pub(crate) fn write_blob<T: Serialize>(
     // pointing at it can be. sled syncs neither; after a power cut its log
     // could then point at an empty or missing blob, which recovery reads as
     // a torn log and, with pointers to blobs removed since, as a store that
-    // never opens again (see DEDUPD.md).
-    f.sync_all()?;
-    sync_dir(&path)?;
+    // never opens again (see DEDUPD.md). A temporary database (a cache)
+    // needs neither.
+    if !config.temporary {
+        f.sync_all()?;
+        sync_dir(&path)?;
+    }
     trace!("successfully wrote blob at {:?}", path);
     Ok(())
 }
@@ -167,11 +170,17 @@ pub(crate) fn remove_blob(id: Lsn, config: &Config) -> Result<()> {
     // durable: a power cut then recovers the older version, pointing at a
     // blob that is gone. The owner of the database deletes what is in
     // `blobs.removed` once a flush it synced covers the removal, and moves
-    // it back before opening after a crash (see DEDUPD.md).
-    let removed_dir = config.get_path().join(REMOVED_BLOBS_DIR);
-    let moved = std::fs::create_dir_all(&removed_dir)
-        .and_then(|()| std::fs::rename(&path, removed_dir.join(format!("{}", id))));
-    if let Err(e) = moved {
+    // it back before opening after a crash (see DEDUPD.md). A temporary
+    // database (a cache, never recovered, with no owner to delete them)
+    // deletes it, as sled does.
+    let removed = if config.temporary {
+        std::fs::remove_file(&path)
+    } else {
+        let removed_dir = config.get_path().join(REMOVED_BLOBS_DIR);
+        std::fs::create_dir_all(&removed_dir)
+            .and_then(|()| std::fs::rename(&path, removed_dir.join(format!("{}", id))))
+    };
+    if let Err(e) = removed {
         debug!("removing blob at {:?} failed: {}", path, e);
     } else {
         trace!("successfully removed blob at {:?}", path);

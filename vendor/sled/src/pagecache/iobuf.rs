@@ -679,6 +679,10 @@ impl IoBufs {
         let stored_max_stable_lsn = iobuf.stored_max_stable_lsn;
 
         io_fail!(self, "buffer write");
+        // dedupd: the io_uring path below still uses `sync_file_range`
+        // (see the fdatasync below and DEDUPD.md).
+        #[cfg(feature = "io_uring")]
+        compile_error!("dedupd's copy of sled: io_uring's log writes are not made durable");
         #[cfg(feature = "io_uring")]
         {
             let mut wrote = 0;
@@ -732,12 +736,13 @@ impl IoBufs {
                 // dedupd: `fdatasync`, not `sync_file_range`. What is
                 // written here is marked stable below, and a stable LSN
                 // lets sled free the segments whose pages this write moved
-                // and write over them. `sync_file_range` makes nothing
-                // durable (no device cache flush, no file size or extent
-                // metadata), so a power cut could keep the overwrite and
-                // lose the moved pages: a record in neither place, its
-                // dedupd log deleted at an earlier checkpoint (issue 38,
-                // item 2; see DEDUPD.md).
+                // and write over them. `sync_file_range` does not make
+                // this write durable first (no device cache flush, no file
+                // size or extent metadata; sled's whole-file sync comes at
+                // the end of its next flush round), so a power cut could
+                // keep the overwrite and lose the moved pages: a record in
+                // neither place, its dedupd log deleted at an earlier
+                // checkpoint (issue 38, item 2; see DEDUPD.md).
                 f.sync_data()?;
             }
         }
