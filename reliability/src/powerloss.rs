@@ -466,10 +466,15 @@ async fn random_cuts(
     let mut client = connect(&sidecar).await?;
     check(&mut client, model, report, &mut rng).await;
     sidecar.kill_9().await;
+    measure(cycles, model, &data);
+    Ok(())
+}
+
+/// Takes the figures of the store in `data` (stopped) into `cycles`.
+fn measure(cycles: &mut Cycles, model: &Arc<Mutex<Model>>, data: &Path) {
     cycles.sled_log_bytes = std::fs::metadata(data.join("db")).map_or(0, |meta| meta.len());
     cycles.small_answer_bytes = model.lock().expect("not poisoned").small_answer_bytes;
     cycles.log_segments = highest_segment(&data.join("wal"));
-    Ok(())
 }
 
 /// Whether `workload`'s cycles have shown what they are for: the segment
@@ -479,9 +484,7 @@ fn shown(workload: Workload, cycles: &mut Cycles, model: &Arc<Mutex<Model>>, dat
     match workload {
         Workload::Mixed => true,
         Workload::Reuse => {
-            cycles.sled_log_bytes = std::fs::metadata(data.join("db")).map_or(0, |meta| meta.len());
-            cycles.small_answer_bytes = model.lock().expect("not poisoned").small_answer_bytes;
-            cycles.log_segments = highest_segment(&data.join("wal"));
+            measure(cycles, model, data);
             reuse_shortfall(cycles).is_none()
         }
     }
