@@ -5,7 +5,9 @@
 #   . benches/lib.sh
 #   bench_options 5s 3 "$@"     # --duration, --repeats (defaults given);
 #                               # other options are left in bench_rest
-#   bench_build                 # release build; sets bin, bench, work, pids
+#   bench_build [CARGO_ARGS]    # release build (of the workspace, or of
+#                               # what CARGO_ARGS name); sets bin, bench,
+#                               # work, pids
 #   sidecar_pid=...; pids+=("$sidecar_pid")   # stopped at exit
 #   bench_on_exit() { ...; }    # optional: more to stop at exit
 
@@ -34,7 +36,7 @@ bench_unknown() {
 # a fresh work directory, and the exit trap that stops every process in
 # pids (and bench_on_exit's, if the script defines it) and removes it.
 bench_build() {
-  cargo build --release --locked --quiet --workspace
+  cargo build --release --locked --quiet "${@:---workspace}"
   bin=target/release/dedupd
   bench=target/release/dedupd-bench
   work=$(mktemp -d)

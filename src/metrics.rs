@@ -83,6 +83,8 @@ pub struct Metrics {
     clock_uncertainty: Gauge<f64, std::sync::atomic::AtomicU64>,
     reaped: Counter,
     reaper_passes: Counter,
+    reaper_examined: Counter,
+    resident_memory: Gauge,
     local_tier: Family<LocalTierLabels, Counter>,
     proxy_requests: Family<ProxyLabels, Counter>,
     proxy_added_seconds: Histogram,
@@ -185,6 +187,18 @@ impl Metrics {
         );
         let reaper_passes = Counter::default();
         registry.register("reaper_passes", "Reaper passes run", reaper_passes.clone());
+        let reaper_examined = Counter::default();
+        registry.register(
+            "reaper_examined_entries",
+            "Entries the reaper read to find what expired (what a pass costs, beside what it removed)",
+            reaper_examined.clone(),
+        );
+        let resident_memory = Gauge::default();
+        registry.register(
+            "resident_memory_bytes",
+            "Resident memory of the dedupd process (RSS, read at scrape time)",
+            resident_memory.clone(),
+        );
         let local_tier = Family::<LocalTierLabels, Counter>::default();
         registry.register(
             "local_tier_lookups",
@@ -282,6 +296,8 @@ impl Metrics {
             clock_uncertainty,
             reaped,
             reaper_passes,
+            reaper_examined,
+            resident_memory,
             local_tier,
             proxy_requests,
             proxy_added_seconds,
@@ -341,10 +357,20 @@ impl Metrics {
             .observe(elapsed.as_secs_f64());
     }
 
-    /// Records one reaper pass.
-    pub fn reaper_pass(&self, removed: usize) {
+    /// Records one reaper pass: what it removed and what it read.
+    pub fn reaper_pass(&self, removed: usize, examined: usize) {
         self.reaper_passes.inc();
         self.reaped.inc_by(removed as u64);
+        self.reaper_examined.inc_by(examined as u64);
+    }
+
+    /// Sets the resident-memory gauge from `/proc/self/statm` (left as it
+    /// was where there is none).
+    pub fn read_resident_memory(&self) {
+        if let Some(bytes) = resident_bytes() {
+            self.resident_memory
+                .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+        }
     }
 
     /// Sets the store-size gauges (read at scrape time).
@@ -412,6 +438,14 @@ impl Metrics {
         encode(&mut text, &self.registry).expect("writing to a String cannot fail");
         text
     }
+}
+
+/// The process's resident memory: `/proc/self/statm`'s second field, in
+/// pages (4 KiB on every platform dedupd ships for).
+fn resident_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * 4096)
 }
 
 /// A `/metrics` answer: OpenMetrics for a scraper that asks for it

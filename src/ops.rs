@@ -61,6 +61,7 @@ async fn metrics<S: Store>(
     let stats = state.engine.store().stats().await;
     let metrics = state.engine.metrics();
     metrics.store_size(stats.records, stats.disk_bytes);
+    metrics.read_resident_memory();
     if let Some(report) = state.engine.clock().report() {
         metrics.store_clock(report);
     }

@@ -598,7 +598,9 @@ async fn reap<S: Store>(
             }
             match engine.store().reap(engine.now(), batch).await {
                 Ok(report) => {
-                    engine.metrics().reaper_pass(report.removed);
+                    engine
+                        .metrics()
+                        .reaper_pass(report.removed, report.examined);
                     if report.examined > 0 {
                         tracing::debug!(
                             removed = report.removed,

@@ -16,14 +16,28 @@ use crate::{
 #[cfg(any(test, feature = "lock_free_delays"))]
 const MAX_QUEUE_ITEMS: usize = 4;
 
+// dedupd: 8, not 64. A shard evicts only when it takes a full block of
+// accesses, so up to N_SHARDS x MAX_QUEUE_ITEMS accesses (256 x 64 = 16 384) went
+// uncounted: a sweep over that many pages held them all, whatever
+// `cache_capacity` said (see DEDUPD.md).
 #[cfg(not(any(test, feature = "lock_free_delays")))]
-const MAX_QUEUE_ITEMS: usize = 64;
+const MAX_QUEUE_ITEMS: usize = 8;
+
+/// dedupd: an access to a page this large is counted at once (when the
+/// shard's lock is free) instead of queued: a queue of 8 of them is
+/// already over a small shard's capacity.
+const COUNT_AT_ONCE_BYTES: u64 = 16 * 1024;
 
 #[cfg(any(test, feature = "lock_free_delays"))]
 const N_SHARDS: usize = 2;
 
+// dedupd: 16, not 256. A shard never evicts the page it just counted, so
+// each shard holds at least one page whatever its capacity: with 256
+// shards, 256 pages of 128 KiB (33 MiB) stayed cached under an 8 MiB
+// `cache_capacity`. Accesses never wait for a shard's lock (they are
+// queued when it is taken), so fewer shards cost no blocking.
 #[cfg(not(any(test, feature = "lock_free_delays")))]
-const N_SHARDS: usize = 256;
+const N_SHARDS: usize = 16;
 
 struct AccessBlock {
     len: AtomicUsize,
@@ -249,6 +263,21 @@ impl Lru {
         let shards = self.shards.len() as u64;
         let (shard_idx, item_pos) = (id % shards, id / shards);
         let (stack, shard_mu) = &self.shards[safe_usize(shard_idx)];
+
+        if item_size >= COUNT_AT_ONCE_BYTES {
+            if let Some(mut shard) = shard_mu.try_lock() {
+                let accesses = stack.take(guard);
+                let counted = std::iter::once((item_pos, item_size))
+                    .chain(accesses.map(CacheAccess::decompose));
+                for (item_pos, item_size) in counted {
+                    for pos in shard.accessed(safe_usize(item_pos), item_size)
+                    {
+                        ret.push((pos * shards) + shard_idx);
+                    }
+                }
+                return ret;
+            }
+        }
 
         let filled = stack.push(CacheAccess::new(item_pos, item_size));
 

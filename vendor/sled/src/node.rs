@@ -45,6 +45,13 @@ impl Node {
             + self.data.rss()
     }
 
+    /// dedupd: the node's bytes in memory for the page cache's accounting:
+    /// `rss` and, per entry, the two `IVec`s that hold its key and value.
+    pub(crate) fn cache_size(&self) -> u64 {
+        self.rss()
+            + (self.data.len() * 2 * std::mem::size_of::<IVec>()) as u64
+    }
+
     fn prefix_decode(&self, key: &[u8]) -> IVec {
         prefix::decode(self.prefix(), key)
     }

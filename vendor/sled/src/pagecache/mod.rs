@@ -489,6 +489,19 @@ impl Page {
         self.cache_infos.iter().map(|ci| ci.log_size).sum()
     }
 
+    /// dedupd: what this page counts against `cache_capacity`: the larger
+    /// of its size in memory and in the log. sled counted the log's bytes
+    /// alone, and a page stored as a blob takes a pointer's bytes in the
+    /// log (about 20) while it holds its whole node in memory (128 KiB and
+    /// more): the cache never evicted such pages (see DEDUPD.md).
+    pub(crate) fn cache_size(&self) -> u64 {
+        let in_memory = match self.update.as_deref() {
+            Some(Update::Node(node)) => node.cache_size(),
+            _ => 0,
+        };
+        in_memory.max(self.log_size())
+    }
+
     fn ts(&self) -> u64 {
         self.cache_infos.last().map_or(0, |ci| ci.ts)
     }
@@ -1110,7 +1123,7 @@ impl PageCache {
 
                     // possibly evict an item now that our cache has grown
                     let total_page_size =
-                        unsafe { new_shared.deref().log_size() };
+                        unsafe { new_shared.deref().cache_size() };
                     let to_evict =
                         self.lru.accessed(pid, total_page_size, guard);
                     trace!(
@@ -1306,7 +1319,7 @@ impl PageCache {
 
                     // possibly evict an item now that our cache has grown
                     let total_page_size =
-                        unsafe { new_shared.deref().log_size() };
+                        unsafe { new_shared.deref().cache_size() };
                     let to_evict =
                         self.lru.accessed(pid, total_page_size, guard);
                     trace!(
@@ -1543,7 +1556,7 @@ impl PageCache {
 
                     // possibly evict an item now that our cache has grown
                     let total_page_size =
-                        unsafe { new_shared.deref().log_size() };
+                        unsafe { new_shared.deref().cache_size() };
                     let to_evict =
                         self.lru.accessed(pid, total_page_size, guard);
                     trace!(
@@ -1684,7 +1697,7 @@ impl PageCache {
 
             if page_view.update.is_some() {
                 // possibly evict an item now that our cache has grown
-                let total_page_size = page_view.log_size();
+                let total_page_size = page_view.cache_size();
                 let to_evict = self.lru.accessed(pid, total_page_size, guard);
                 trace!(
                     "accessed pid {} -> paging out pids {:?}",
@@ -1759,7 +1772,7 @@ impl PageCache {
             }
 
             // possibly evict an item now that our cache has grown
-            let total_page_size = unsafe { new_shared.deref().log_size() };
+            let total_page_size = unsafe { new_shared.deref().cache_size() };
             let to_evict = self.lru.accessed(pid, total_page_size, guard);
             trace!("accessed pid {} -> paging out pids {:?}", pid, to_evict);
             if !to_evict.is_empty() {

@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# The embedded store's memory (issue 39): what the release sidecar holds
+# while records are loaded, after a kill -9 and restart on that data, and
+# while the reaper removes the half that expired. Prints one line per
+# figure and writes benches/results/memory.json.
+#
+#   benches/memory.sh [--records N] [--answers N] [--answer-bytes B]
+#                     [--variant 'NAME|FLAGS']... [--quick] [--dedupd PATH]
+#                     [--scenario records|answers]...
+#
+# Two scenarios, each on a fresh data directory and run once per variant
+# (side by side, so a figure is compared with its neighbours of the same
+# run): `records` (N claims+commits without answers, batches of 1 000) and
+# `answers` (N commits with B-byte answers, batches of 100). Half of each is
+# claimed in a namespace kept 20 s, half in one kept 24 h, so the reaper
+# has half to remove once the short ones expire.
+#
+# Figures per scenario and variant:
+# - load: peak RSS (VmHWM) while loading and RSS at the end;
+# - open: peak RSS from exec to the first answered Lookup after a kill -9
+#   (sled's open and the write-ahead log's replay), and the time it took;
+# - reap: peak RSS while the reaper removes the expired half, the entries
+#   it examined (dedupd_reaper_examined_entries) and the time it took;
+# - disk bytes per record after the reap.
+#
+# Defaults: 1 000 000 records and 131 072 answers of 8 KiB (1 GiB);
+# --quick: 100 000 and 8 192. Variants default to the defaults and
+# `--cache-mb 8`. --dedupd runs another build of the sidecar (for instance
+# one built with `--features heap-profile`, docs/memory.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. benches/lib.sh
+
+records=1000000 answers=131072 answer_bytes=8192 variants=() sidecar_bin="" scenarios=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --records) records=$2; shift 2 ;;
+    --answers) answers=$2; shift 2 ;;
+    --answer-bytes) answer_bytes=$2; shift 2 ;;
+    --variant) variants+=("$2"); shift 2 ;;
+    --quick) records=100000 answers=8192; shift ;;
+    --dedupd) sidecar_bin=$2; shift 2 ;;
+    --scenario) scenarios+=("$2"); shift 2 ;;
+    *) bench_unknown "$1" ;;
+  esac
+done
+[ ${#variants[@]} -gt 0 ] || variants=("default|" "cache-mb 8|--cache-mb 8")
+[ ${#scenarios[@]} -gt 0 ] || scenarios=(records answers)
+if [ -n "$sidecar_bin" ]; then
+  bench_build -p dedupd-bench
+  bin=$sidecar_bin
+else
+  bench_build
+fi
+
+port=51020 metrics_port=51021
+results=$work/memory.jsonl
+
+# start FLAGS...: the sidecar on the bench ports, its pid in $sidecar.
+start() {
+  "$bin" --listen 127.0.0.1:$port --metrics-listen 127.0.0.1:$metrics_port \
+    --data-dir "$work/data" --sync always --worker-threads 1 --log warn \
+    --namespace-retention short=20s --reaper-interval 1s "$@" 2>>"$work/sidecar.log" &
+  sidecar=$!
+  pids+=("$sidecar")
+}
+
+answered() { "$bin" lookup --addr 127.0.0.1:$port -n bench probe >/dev/null 2>&1; }
+
+# status FIELD: a /proc status figure of the sidecar, in KiB.
+status() { awk -v field="$1:" '$1 == field {print $2}' /proc/"$sidecar"/status; }
+
+# metric NAME: one sample from /metrics (0 when absent).
+metric() {
+  curl -sf "http://127.0.0.1:$metrics_port/metrics" \
+    | awk -v name="$1" '$1 == name {print $2; found=1} END {if (!found) print 0}'
+}
+
+# reset_peak: VmHWM counts from now (Linux ≥ 4.0: writing 5 to clear_refs).
+reset_peak() { echo 5 > /proc/"$sidecar"/clear_refs; }
+
+load() { # NAMESPACE COUNT EXTRA...
+  local namespace=$1 count=$2
+  shift 2
+  "$bench" load --target dedupd://127.0.0.1:$port --workload batch-commit \
+    --namespace "$namespace" --concurrency 4 --requests "$count" --worker-threads 1 \
+    --json "$@" > "$work/load.json"
+}
+
+run() { # SCENARIO VARIANT_NAME COUNT FLAGS...
+  local scenario=$1 name=$2 count=$3 flags=()
+  read -r -a flags <<< "$4"
+  local extra=()
+  if [ "$scenario" = answers ]; then
+    extra=(--batch-size 100 --response-bytes "$answer_bytes")
+  else
+    extra=(--batch-size 1000)
+  fi
+  rm -rf "$work/data"
+  start "${flags[@]}"
+  until answered; do sleep 0.05; done
+  local started=$(date +%s.%N)
+  load short $((count / 2)) "${extra[@]}"
+  load bench $((count - count / 2)) "${extra[@]}"
+  local load_seconds=$(python3 -c "print(round($(date +%s.%N) - $started, 1))")
+  local load_peak=$(status VmHWM) load_rss=$(status VmRSS)
+
+  kill -KILL "$sidecar"; wait "$sidecar" 2>/dev/null || true
+  started=$(date +%s.%N)
+  start "${flags[@]}"
+  until answered; do sleep 0.01; done
+  local open_seconds=$(python3 -c "print(round($(date +%s.%N) - $started, 2))")
+  local open_peak=$(status VmHWM) open_rss=$(status VmRSS)
+
+  # The short half expires 20 s after it was committed; the reaper runs
+  # every second. Done when it has removed that half.
+  reset_peak
+  started=$(date +%s.%N)
+  local examined_before=$(metric dedupd_reaper_examined_entries_total)
+  local deadline=$((SECONDS + 600))
+  until [ "$(metric dedupd_reaped_records_total)" -ge $((count / 2)) ]; do
+    if [ $SECONDS -gt $deadline ]; then
+      echo "the reaper did not remove $((count / 2)) records in 10 minutes" >&2
+      exit 1
+    fi
+    sleep 0.2
+  done
+  local reap_seconds=$(python3 -c "print(round($(date +%s.%N) - $started, 1))")
+  local examined=$(( $(metric dedupd_reaper_examined_entries_total) - examined_before ))
+  local reap_peak=$(status VmHWM) reap_rss=$(status VmRSS)
+  kill -TERM "$sidecar"; wait "$sidecar" 2>/dev/null || true
+  local disk=$(du -sb "$work/data" | cut -f1)
+
+  python3 - "$scenario" "$name" "$count" "$load_seconds" "$load_peak" "$load_rss" \
+    "$open_seconds" "$open_peak" "$open_rss" "$reap_seconds" "$reap_peak" "$reap_rss" \
+    "$examined" "$disk" "$answer_bytes" >> "$results" <<'PY'
+import json, sys
+a = sys.argv[1:]
+mib = lambda kib: round(int(kib) / 1024, 1)
+row = {
+    "scenario": a[0], "variant": a[1], "count": int(a[2]),
+    "answer_bytes": int(a[14]) if a[0] == "answers" else 0,
+    "load_seconds": float(a[3]), "load_peak_mib": mib(a[4]), "load_rss_mib": mib(a[5]),
+    "open_seconds": float(a[6]), "open_peak_mib": mib(a[7]), "open_rss_mib": mib(a[8]),
+    "reap_seconds": float(a[9]), "reap_peak_mib": mib(a[10]), "reap_rss_mib": mib(a[11]),
+    "reaper_examined": int(a[12]), "disk_bytes_per_live_record": round(int(a[13]) / (int(a[2]) - int(a[2]) // 2)),
+}
+print(json.dumps(row))
+print(" ".join(f"{k}={v}" for k, v in row.items()), file=sys.stderr)
+PY
+}
+
+for scenario in "${scenarios[@]}"; do
+  case "$scenario" in
+    records) count=$records ;;
+    answers) count=$answers ;;
+    *) bench_unknown "--scenario $scenario" ;;
+  esac
+  for variant in "${variants[@]}"; do
+    run "$scenario" "${variant%%|*}" "$count" "${variant#*|}"
+  done
+done
+mkdir -p benches/results
+cp "$results" benches/results/memory.jsonl
+echo "wrote benches/results/memory.jsonl"
