@@ -364,7 +364,7 @@ impl Metrics {
         self.reaper_examined.inc_by(examined as u64);
     }
 
-    /// Sets the resident-memory gauge from `/proc/self/statm` (left as it
+    /// Sets the resident-memory gauge from `/proc/self/status` (left as it
     /// was where there is none).
     pub fn read_resident_memory(&self) {
         if let Some(bytes) = resident_bytes() {
@@ -440,12 +440,19 @@ impl Metrics {
     }
 }
 
-/// The process's resident memory: `/proc/self/statm`'s second field, in
-/// pages (4 KiB on every platform dedupd ships for).
+/// The process's resident memory: `VmRSS` in `/proc/self/status` (in KiB
+/// whatever the kernel's page size).
 fn resident_bytes() -> Option<u64> {
-    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
-    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
-    Some(pages * 4096)
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: u64 = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
 }
 
 /// A `/metrics` answer: OpenMetrics for a scraper that asks for it

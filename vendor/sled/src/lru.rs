@@ -17,9 +17,10 @@ use crate::{
 const MAX_QUEUE_ITEMS: usize = 4;
 
 // dedupd: 8, not 64. A shard evicts only when it takes a full block of
-// accesses, so up to N_SHARDS x MAX_QUEUE_ITEMS accesses (256 x 64 = 16 384) went
-// uncounted: a sweep over that many pages held them all, whatever
-// `cache_capacity` said (see DEDUPD.md).
+// accesses, so at least N_SHARDS x MAX_QUEUE_ITEMS accesses (256 x 64 =
+// 16 384) went uncounted (more while a shard's lock was taken): a sweep
+// over that many pages held them all, whatever `cache_capacity` said (see
+// DEDUPD.md).
 #[cfg(not(any(test, feature = "lock_free_delays")))]
 const MAX_QUEUE_ITEMS: usize = 8;
 
@@ -35,7 +36,8 @@ const N_SHARDS: usize = 2;
 // each shard holds at least one page whatever its capacity: with 256
 // shards, 256 pages of 128 KiB (33 MiB) stayed cached under an 8 MiB
 // `cache_capacity`. Accesses never wait for a shard's lock (they are
-// queued when it is taken), so fewer shards cost no blocking.
+// queued when it is taken), so fewer shards cost no blocking; a taken lock
+// only puts a full block's counting off to the next block.
 #[cfg(not(any(test, feature = "lock_free_delays")))]
 const N_SHARDS: usize = 16;
 
@@ -266,9 +268,13 @@ impl Lru {
 
         if item_size >= COUNT_AT_ONCE_BYTES {
             if let Some(mut shard) = shard_mu.try_lock() {
+                // The queued (older) accesses first: the page being read
+                // is then the most recent, and the one never evicted by
+                // its own count.
                 let accesses = stack.take(guard);
-                let counted = std::iter::once((item_pos, item_size))
-                    .chain(accesses.map(CacheAccess::decompose));
+                let counted = accesses
+                    .map(CacheAccess::decompose)
+                    .chain(std::iter::once((item_pos, item_size)));
                 for (item_pos, item_size) in counted {
                     for pos in shard.accessed(safe_usize(item_pos), item_size)
                     {
