@@ -12,16 +12,6 @@ use dedupd::proto::v1 as pb;
 const ANSWERS: usize = 8192;
 const ANSWER_BYTES: usize = 8192;
 
-/// A figure of `/proc/PID/status`, in KiB.
-fn status_kib(pid: u32, field: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
-        .and_then(|rest| rest.trim().trim_end_matches(" kB").parse().ok())
-        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
-}
-
 /// Reading every stored answer once after a restart grows the sidecar by
 /// about its cache, not by what it read. Before sled's cache counted a
 /// blob page at its size in memory and evicted without a 16 384-access
@@ -79,7 +69,7 @@ async fn reading_back_more_than_the_cache_holds_grows_by_the_cache() {
     // The peak counts from here, not from the open (which replays the log
     // the kill left): Linux resets VmHWM to VmRSS when 5 is written here.
     std::fs::write(format!("/proc/{pid}/clear_refs"), "5").unwrap();
-    let before_kib = status_kib(pid, "VmRSS");
+    let before_kib = sidecar.status_kib("VmRSS");
     for i in 0..ANSWERS {
         let found = client
             .lookup(pb::LookupRequest {
@@ -92,7 +82,7 @@ async fn reading_back_more_than_the_cache_holds_grows_by_the_cache() {
         let record = found.record.expect("every answer is stored");
         assert_eq!(record.response, vec![(i % 251) as u8; ANSWER_BYTES]);
     }
-    let grown_mib = (status_kib(pid, "VmHWM").saturating_sub(before_kib)) / 1024;
+    let grown_mib = (sidecar.status_kib("VmHWM").saturating_sub(before_kib)) / 1024;
     let read_mib = (ANSWERS * ANSWER_BYTES) >> 20;
     eprintln!("reading {read_mib} MiB of answers back grew the sidecar by {grown_mib} MiB");
     // The cache (8 MiB) and what its eviction lags by, with room for the

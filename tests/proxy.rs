@@ -1475,22 +1475,7 @@ async fn a_96_mib_keyed_answer_streams_in_bounded_memory() {
         ],
     );
     let address = proxy_address(&sidecar);
-    let peak = || {
-        let status =
-            std::fs::read_to_string(format!("/proc/{}/status", sidecar.child.id())).unwrap();
-        status
-            .lines()
-            .find_map(|line| line.strip_prefix("VmHWM:"))
-            .and_then(|value| {
-                value
-                    .trim()
-                    .trim_end_matches("kB")
-                    .trim()
-                    .parse::<u64>()
-                    .ok()
-            })
-            .expect("VmHWM")
-    };
+    let peak = || sidecar.status_kib("VmHWM");
     let before_kib = peak();
     let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
         .build_http::<Full<Bytes>>();

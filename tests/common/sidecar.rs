@@ -142,6 +142,17 @@ impl Sidecar {
         self.log.lock().unwrap().join("\n")
     }
 
+    /// A figure of the child's `/proc/PID/status` (`VmRSS`, `VmHWM`), in KiB.
+    pub fn status_kib(&self, field: &str) -> u64 {
+        let pid = self.child.id();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
+            .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+    }
+
     /// A function that says whether the process has logged a line
     /// containing `text` yet, for another thread to wait on.
     pub fn logged(&self, text: &str) -> impl Fn() -> bool + Send + 'static {
