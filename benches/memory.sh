@@ -24,10 +24,10 @@
 # - disk bytes per record after the reap.
 #
 # Defaults: 1 000 000 records and 131 072 answers of 8 KiB (1 GiB);
-# --quick: 100 000 and 8 192. Variants default to the defaults and
-# `--cache-mb 16` (with 8 MiB, the reaper's sweep over 1 M records re-reads
-# pages from disk for minutes: docs/memory.md). --dedupd runs another build of the sidecar (for instance
-# one built with `--features heap-profile`, docs/memory.md).
+# --quick: 100 000 and 8 192. Variants default to the defaults (the memory
+# budget from this machine's cgroup limit, else 128 MiB) and
+# `--memory-budget 64MiB`. --dedupd runs another build of the sidecar (for
+# instance one built with `--features heap-profile`, docs/memory.md).
 set -euo pipefail
 invoked_from=$PWD
 cd "$(dirname "$0")/.."
@@ -46,7 +46,7 @@ while [ $# -gt 0 ]; do
     *) bench_unknown "$1" ;;
   esac
 done
-[ ${#variants[@]} -gt 0 ] || variants=("default|" "cache-mb 16|--cache-mb 16")
+[ ${#variants[@]} -gt 0 ] || variants=("default|" "budget 64MiB|--memory-budget 64MiB")
 [ ${#scenarios[@]} -gt 0 ] || scenarios=(records answers)
 if [ -n "$sidecar_bin" ]; then
   bench_build -p dedupd-bench

@@ -6,7 +6,11 @@
 //! reads no secret: `main` does that with the settings. The command line as
 //! a whole (every face's flags) is assembled in [`crate::command`].
 
-use std::{net::SocketAddr, path::PathBuf, time::Duration};
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use clap::{Args, ValueEnum};
 
@@ -17,6 +21,7 @@ use crate::{
     },
     credentials::{AuthSources, StoreUrlSource, TlsFiles, TokenSource},
     listen::ListenAddr,
+    memory_budget::MemoryBudget,
     proxy::{
         idempotency::{CallerScope, KeySyntax, RoutePattern},
         server::{AfterUnknownOutcome, ProxyConfig},
@@ -218,9 +223,15 @@ pub struct ServeArgs {
     /// commit). `none`: faster, but a machine crash loses recent changes.
     #[arg(long, env = "DEDUPD_SYNC", value_enum, default_value_t = SyncFlag::Always)]
     pub sync: SyncFlag,
-    /// Page cache of the embedded store, in MiB.
-    #[arg(long, env = "DEDUPD_CACHE_MB", default_value_t = 64)]
-    pub cache_mb: u64,
+    /// The memory the sidecar plans for (`256MiB`, `1Gi`, bytes): caches
+    /// and buffers are sized from it. Default: the container's cgroup
+    /// memory limit, else 128MiB.
+    #[arg(long, env = "DEDUPD_MEMORY_BUDGET", value_parser = crate::memory_budget::parse_size)]
+    pub memory_budget: Option<u64>,
+    /// Page cache of the embedded store, in MiB (default: an eighth of
+    /// --memory-budget).
+    #[arg(long, env = "DEDUPD_CACHE_MB")]
+    pub cache_mb: Option<u64>,
     /// Refuse writes (RESOURCE_EXHAUSTED; reads go on) while the data
     /// directory's filesystem has less than this many MiB free, so the store
     /// never meets a full disk; 0 turns the guard off.
@@ -684,6 +695,8 @@ pub struct Settings {
     pub http_proxy: Option<(SocketAddr, ProxyConfig)>,
     /// Where traces go, when they are on.
     pub traces: Option<TraceSettings>,
+    /// The memory caches and buffers are sized from.
+    pub memory: MemoryBudget,
 }
 
 fn parse_namespace_retention(text: &str) -> Result<(String, Duration), String> {
@@ -721,7 +734,11 @@ impl ServeArgs {
         }
     }
 
-    fn store(&self, stall_timeout: Duration) -> Result<StoreSettings, String> {
+    fn store(
+        &self,
+        stall_timeout: Duration,
+        memory: &MemoryBudget,
+    ) -> Result<StoreSettings, String> {
         let url = StoreUrlSource {
             value: self.store_url.clone(),
             file: self.store_url_file.clone(),
@@ -748,7 +765,9 @@ impl ServeArgs {
                 Ok(StoreSettings::Sled(SledConfig {
                     path: self.data_dir.clone(),
                     sync: self.sync.into(),
-                    cache_capacity_bytes: self.cache_mb << 20,
+                    cache_capacity_bytes: self
+                        .cache_mb
+                        .map_or(memory.store_cache_bytes(), |mb| mb << 20),
                     disk_reserve_bytes: self.disk_reserve_mb.saturating_mul(1 << 20),
                     stall_timeout,
                     checkpoint_interval,
@@ -806,6 +825,7 @@ impl ServeArgs {
                 let local_tier = (self.local_tier_mb > 0).then(|| LocalTierConfig {
                     path: self.data_dir.join("local-tier"),
                     max_bytes: self.local_tier_mb.saturating_mul(1 << 20),
+                    cache_bytes: memory.store_cache_bytes(),
                     max_age,
                 });
                 Ok(StoreSettings::Shared {
@@ -900,7 +920,7 @@ impl ServeArgs {
                 self.max_message_bytes
             ));
         }
-        if self.cache_mb == 0 {
+        if self.cache_mb == Some(0) {
             return Err("--cache-mb must be at least 1".into());
         }
         if self.max_concurrent_requests == 0 {
@@ -949,7 +969,8 @@ impl ServeArgs {
                 ));
             }
         }
-        let store = self.store(stall_timeout)?;
+        let memory = MemoryBudget::resolve(self.memory_budget, Path::new("/sys/fs/cgroup"))?;
+        let store = self.store(stall_timeout, &memory)?;
         let auth = self.auth();
         let tls = self.tls()?;
         self.check_exposure(&auth, tls.as_ref())?;
@@ -1000,6 +1021,7 @@ impl ServeArgs {
             worker_threads: self.worker_threads,
             http_proxy,
             traces,
+            memory,
         })
     }
 

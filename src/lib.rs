@@ -54,6 +54,7 @@ mod guard;
 pub mod inject;
 mod listen;
 pub mod machine;
+pub mod memory_budget;
 mod metrics;
 mod ops;
 pub mod proto;

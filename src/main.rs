@@ -201,6 +201,19 @@ fn serve(args: &ServeArgs) -> ExitCode {
         settings.log_format,
         traces.as_ref(),
     );
+    let cache_bytes = match &store {
+        StoreSettings::Sled(config) => config.cache_capacity_bytes,
+        StoreSettings::Shared { local_tier, .. } => local_tier
+            .as_ref()
+            .map_or(0, |tier| tier.cache_bytes.min(tier.max_bytes)),
+    };
+    tracing::info!(
+        budget = %dedupd::memory_budget::show(settings.memory.bytes),
+        from = ?settings.memory.source,
+        store_cache = %dedupd::memory_budget::show(cache_bytes),
+        request_bytes = %dedupd::memory_budget::show(server.guard.read_budget_bytes as u64),
+        "memory budget"
+    );
     if let Some(traces) = &settings.traces {
         tracing::info!(endpoint = %traces.endpoint, protocol = ?traces.protocol, sampler = ?traces.sampler, "exporting traces with OTLP");
     }
@@ -328,7 +341,7 @@ fn configure(args: &ServeArgs) -> Result<(Settings, StoreSettings, ServerConfig)
             max_concurrent_requests: settings.max_concurrent_requests,
             request_timeout: settings.request_timeout,
             request_read_timeout: settings.request_read_timeout,
-            read_budget_bytes: dedupd::DEFAULT_READ_BUDGET_BYTES,
+            read_budget_bytes: settings.memory.read_budget_bytes(),
         },
         tls,
         metrics: Arc::new(Metrics::new()),

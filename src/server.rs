@@ -587,7 +587,7 @@ async fn reap<S: Store>(
             _ = ticker.tick() => {}
             () = &mut stop => return,
         }
-        // A pass that removed a full batch means more may be waiting: go on,
+        // A pass that read a full batch means more may be due: go on,
         // yielding in between.
         loop {
             // No decision on a clock that cannot be trusted (a shared
@@ -608,7 +608,7 @@ async fn reap<S: Store>(
                             "reaper pass"
                         );
                     }
-                    if report.removed < batch {
+                    if report.examined < batch {
                         break;
                     }
                 }

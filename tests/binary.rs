@@ -419,6 +419,22 @@ fn bad_configuration_exits_64_with_one_line_before_touching_anything() {
             "--local-tier-max-age",
         ),
         (vec!["--store", "mongodb"], vec![], "--store"),
+        (vec!["--memory-budget", "12XB"], vec![], "unknown unit"),
+        (
+            vec![],
+            vec![("DEDUPD_MEMORY_BUDGET", "1.5Gi")],
+            "--memory-budget",
+        ),
+        (
+            vec!["--memory-budget", "16MiB"],
+            vec![],
+            "below the minimum of 32MiB",
+        ),
+        (
+            vec!["--cache-mb", "0"],
+            vec![],
+            "--cache-mb must be at least 1",
+        ),
     ];
     for (args, env, mentioned) in cases {
         let output = Command::new(BINARY)

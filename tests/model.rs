@@ -402,6 +402,21 @@ proptest! {
                     let answer = subject.apply(op).await.unwrap();
                     prop_assert_eq!(&answer, &expected, "{}, step {} {:?}", name, step, op);
                 }
+                if let Op::Reap = op {
+                    // The reaper keeps what has not expired and removes what
+                    // expired more than a lease ago (a commit or release is
+                    // reaped at most one lease late: src/store/due.rs); the
+                    // embedded store counts what it holds.
+                    let (now, lease) = (model.now, LEASE_SECS * 1000);
+                    let kept = model.records.values().filter(|r| now < r.retain_until).count();
+                    let late = model.records.values().filter(|r| (r.retain_until..r.retain_until + lease).contains(&now)).count();
+                    for (name, subject) in &subjects {
+                        if let AnyStore::Sled(store) = &**subject.engine.store() {
+                            let stored = store.record_count();
+                            prop_assert!((kept..=kept + late).contains(&stored), "{} after the reaper, step {}: {} stored, {} live, {} expired within a lease", name, step, stored, kept, late);
+                        }
+                    }
+                }
                 for index in 0..KEYS {
                     let expected = model.view(index);
                     for (name, subject) in &subjects {

@@ -64,6 +64,7 @@ async fn compare(args: &TierArgs) -> Result<(), String> {
         &LocalTierConfig {
             path: dir.join("local-tier"),
             max_bytes: 64 << 20,
+            cache_bytes: 64 << 20,
             max_age: std::time::Duration::from_secs(600),
         },
         Arc::clone(&clock),

@@ -240,6 +240,13 @@ impl LazyFs {
         }
     }
 
+    /// The last `lines` lines of LazyFS's own log (why it died).
+    pub fn log_tail(&self, lines: usize) -> String {
+        let log = std::fs::read_to_string(self.work.join("lazyfs.log")).unwrap_or_default();
+        let all: Vec<&str> = log.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
     /// Drops every write not yet synced (a power cut's effect on the
     /// disk), and waits for LazyFS to say it is done (at most 30 s).
     pub fn clear_cache(&mut self) -> Result<(), String> {

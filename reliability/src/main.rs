@@ -298,6 +298,7 @@ async fn powerloss(args: PowerlossArgs) -> ExitCode {
             "large_commits_acknowledged": report.large_commits,
             "checks_after_restarts": report.checks,
             "slowest_restart_ms": report.slowest_restart.as_millis() as u64,
+            "lazyfs_crashes": report.lazyfs_crashes,
             "random": cycles_json(&report.random),
             "reuse": cycles_json(&report.reuse),
             "elapsed_s": started.elapsed().as_secs(),

@@ -15,6 +15,7 @@
 
 pub mod codec;
 mod disk;
+mod due;
 pub mod memory;
 pub mod optimistic;
 pub mod postgres;
@@ -55,7 +56,8 @@ pub trait StoreObserver: Send + Sync + fmt::Debug {
 pub struct ReapReport {
     /// Expired records and ordering marks removed.
     pub removed: usize,
-    /// Entries looked at (removed ones included).
+    /// Entries read to find them, removed ones included (on sled: the
+    /// expiry index's entries due by then, each with its record).
     pub examined: usize,
 }
 

@@ -52,6 +52,8 @@ pub struct LocalTierConfig {
     pub path: PathBuf,
     /// Bytes of records (key and encoded record) kept at most.
     pub max_bytes: u64,
+    /// Its page cache (at most `max_bytes`).
+    pub cache_bytes: u64,
     /// Longest a record is kept after it was learnt.
     pub max_age: Duration,
 }
@@ -304,7 +306,7 @@ impl LocalTier {
         }
         let db = sled::Config::new()
             .path(&config.path)
-            .cache_capacity(config.max_bytes.clamp(1 << 20, 256 << 20))
+            .cache_capacity(config.cache_bytes.min(config.max_bytes).max(1 << 20))
             .mode(sled::Mode::HighThroughput)
             // A cache: nothing of it needs to reach the disk in time, nor
             // at all — temporary, sled neither syncs its writes (our copy
@@ -478,6 +480,7 @@ mod tests {
             &LocalTierConfig {
                 path: dir.join("tier"),
                 max_bytes,
+                cache_bytes: max_bytes,
                 max_age,
             },
             None,
@@ -650,6 +653,7 @@ mod tests {
         let config = LocalTierConfig {
             path: dir.path().join("tier"),
             max_bytes: 8 << 20,
+            cache_bytes: 8 << 20,
             max_age: Duration::from_secs(600),
         };
         let tiered = Tiered::open(

@@ -17,6 +17,7 @@ pub fn local_tier(dir: &Path) -> LocalTierConfig {
     LocalTierConfig {
         path: dir.join("local-tier"),
         max_bytes: 8 << 20,
+        cache_bytes: 8 << 20,
         max_age: Duration::from_secs(600),
     }
 }

@@ -30,7 +30,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{/* DEDUPD_* variables for every non-empty config value. */}}
 {{- define "dedupd.env" -}}
 {{- $names := dict
-  "sync" "DEDUPD_SYNC" "cacheMb" "DEDUPD_CACHE_MB"
+  "sync" "DEDUPD_SYNC" "cacheMb" "DEDUPD_CACHE_MB" "memoryBudget" "DEDUPD_MEMORY_BUDGET"
   "defaultLeaseTtl" "DEDUPD_DEFAULT_LEASE_TTL" "maxLeaseTtl" "DEDUPD_MAX_LEASE_TTL"
   "defaultRetention" "DEDUPD_DEFAULT_RETENTION" "maxRetention" "DEDUPD_MAX_RETENTION"
   "namespaceRetention" "DEDUPD_NAMESPACE_RETENTION" "maxResponseBytes" "DEDUPD_MAX_RESPONSE_BYTES"
