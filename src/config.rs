@@ -767,7 +767,7 @@ impl ServeArgs {
                     sync: self.sync.into(),
                     cache_capacity_bytes: self
                         .cache_mb
-                        .map_or(memory.store_cache_bytes(), |mb| mb << 20),
+                        .map_or(memory.store_cache_bytes(), |mb| mb.saturating_mul(1 << 20)),
                     disk_reserve_bytes: self.disk_reserve_mb.saturating_mul(1 << 20),
                     stall_timeout,
                     checkpoint_interval,

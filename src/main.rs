@@ -205,7 +205,7 @@ fn serve(args: &ServeArgs) -> ExitCode {
         StoreSettings::Sled(config) => config.cache_capacity_bytes,
         StoreSettings::Shared { local_tier, .. } => local_tier
             .as_ref()
-            .map_or(0, |tier| tier.cache_bytes.min(tier.max_bytes)),
+            .map_or(0, |tier| tier.cache_bytes.min(tier.max_bytes).max(1 << 20)),
     };
     tracing::info!(
         budget = %dedupd::memory_budget::show(settings.memory.bytes),

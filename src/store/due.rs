@@ -18,19 +18,18 @@
 //! files its own. An entry whose record went (released, forgotten, taken
 //! over) is dropped when it comes due.
 //!
-//! The entry is filed right after the compare-and-swap that needs it,
-//! under the log's lock: a checkpoint (which takes that lock to collect
-//! frames) never falls between them, so a record sled has checkpointed has
-//! its entry, and one it has not is in the log. With `--sync none` (no
-//! log) it is filed just before the swap instead: sled recovers a prefix of
-//! its own writes, so a record it kept has its entry (a swap that loses
-//! leaves one without a record, dropped when due).
-//!
-//! Entries are not in the write-ahead log: the replay files an entry for
-//! each record it restores ([`DueIndex::cover`]). A data directory from
-//! before the index is indexed once at open
-//! ([`DueIndex::build_unless_built`]), crash-safely: the marker that says
-//! it is done is written only after the entries are checkpointed.
+//! The entry is filed right after the compare-and-swap that needs it (so
+//! a swap that loses — every DUPLICATE a fresh-key guess runs into —
+//! writes nothing more), under the log's lock, so a clean close, which
+//! takes that lock, finds every entry filed. A crash can fall between
+//! the two (sled may write the record out and not the entry), so the
+//! index is known whole only after a clean close: it then leaves a marker,
+//! removed at open. Opened without it — after a crash, on a data directory
+//! from before the index, or after an older dedupd ran on it — the store
+//! serves at once and files the missing entries in the background
+//! ([`DueIndex::cover_all`]), while the reaper works on those it has.
+//! The replay files an entry for each record it restores
+//! ([`DueIndex::cover`]).
 
 use sled::IVec;
 
@@ -43,8 +42,9 @@ use crate::{clock::UnixMillis, domain::Record, error::Error, machine::SequenceMa
 /// The index's tree.
 const TREE_NAME: &[u8] = b"due";
 
-/// Set in sled's default tree once every record and mark has an entry.
-pub const BUILT_KEY: &[u8] = b"meta/due-index-built";
+/// Set in sled's default tree at a clean close when every record and mark
+/// had an entry (holding the number of records); removed at open.
+const WHOLE_KEY: &[u8] = b"meta/due-index-whole";
 
 /// The expiry index (see the module docs).
 #[derive(Debug, Clone)]
@@ -140,43 +140,47 @@ impl DueIndex {
         })
     }
 
-    /// Builds the index from `trees` unless `db` holds the marker saying it
-    /// was built (a data directory from before the index, or one whose
-    /// build a crash cut short: entries are idempotent); `true` if it
-    /// built. The caller checkpoints and then calls
-    /// [`DueIndex::mark_built`].
-    pub fn build_unless_built(
-        &self,
-        db: &sled::Db,
-        trees: [(Tree, &sled::Tree); 2],
-    ) -> Result<bool, Error> {
-        if db.get(BUILT_KEY)?.is_some() {
-            return Ok(false);
-        }
-        let started = std::time::Instant::now();
-        let mut entries = 0u64;
-        for (tree, entries_of) in trees {
-            for entry in entries_of.iter() {
-                let (key, value) = entry?;
-                self.cover(tree, &key, &value)?;
-                entries += 1;
-            }
-        }
-        if entries > 0 {
-            tracing::info!(
-                entries,
-                elapsed_ms = started.elapsed().as_millis() as u64,
-                "indexed the data directory's expiry times (once, for the reaper)"
-            );
-        }
-        Ok(true)
+    /// The number of records the last run left, if it closed with every
+    /// record and mark in the index; the marker is removed, so a crash from
+    /// now on leaves it absent. Absent also on a data directory from before
+    /// the index, and ignored when `older_ran` (an older dedupd opened the
+    /// directory since: it files no entries).
+    pub fn was_left_whole(db: &sled::Db, older_ran: bool) -> Result<Option<u64>, Error> {
+        let marker = db.remove(WHOLE_KEY)?;
+        Ok(marker
+            .filter(|_| !older_ran)
+            .and_then(|bytes| Some(u64::from_le_bytes(bytes[..].try_into().ok()?))))
     }
 
-    /// Records that every entry has its index entry: called once what
-    /// [`DueIndex::open`] built is checkpointed.
-    pub fn mark_built(db: &sled::Db) -> Result<(), Error> {
-        db.insert(BUILT_KEY, &[1u8][..])?;
+    /// Marks the index whole, with the number of records, at a clean close
+    /// (before its last flush).
+    pub fn mark_whole(db: &sled::Db, records: u64) -> Result<(), Error> {
+        db.insert(WHOLE_KEY, &records.to_le_bytes()[..])?;
         Ok(())
+    }
+
+    /// Files an entry for every record and mark of `trees` that has none,
+    /// until `stop` says so; the entries of each tree it went through. Runs
+    /// in the background while the store serves: a record changed
+    /// meanwhile has the entry its write filed, and one removed leaves an
+    /// entry dropped when due.
+    pub fn cover_all(
+        &self,
+        trees: [(Tree, &sled::Tree); 2],
+        stop: impl Fn() -> bool,
+    ) -> Result<Option<[u64; 2]>, Error> {
+        let mut counts = [0u64; 2];
+        for (count, (tree, entries_of)) in counts.iter_mut().zip(trees) {
+            for entry in entries_of.iter() {
+                if stop() {
+                    return Ok(None);
+                }
+                let (key, value) = entry?;
+                self.cover(tree, &key, &value)?;
+                *count += 1;
+            }
+        }
+        Ok(Some(counts))
     }
 
     /// Makes sure `key` of `tree`, holding `value`, has an entry at its

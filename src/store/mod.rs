@@ -114,8 +114,9 @@ pub trait Store: Send + Sync + 'static {
     /// crash could lose.
     fn durable(&self) -> impl Future<Output = Result<(), Error>> + Send;
 
-    /// Removes up to `budget` records and marks whose retention ended by
-    /// `now`; the caller calls again while a pass removes a full `budget`.
+    /// Removes records and marks whose retention ended by `now`, reading
+    /// at most `budget` entries; the caller calls again while a pass reads
+    /// a full `budget`.
     fn reap(
         &self,
         now: UnixMillis,

@@ -1,4 +1,4 @@
-//! The embedded store: sled 0.34 with two trees and one committer thread.
+//! The embedded store: sled 0.34 with three trees and one committer thread.
 //!
 //! - `records`: key bytes → encoded [`Record`] (its `retain_until` in the
 //!   first bytes, see [`super::codec`]); changed only by compare-and-swap,
@@ -145,6 +145,9 @@ const LAZY_FLUSH_MS: u64 = 500;
 /// issued is below it.
 const FENCE_KEY: &[u8] = b"meta/fence-reserved";
 
+/// Which dedupd opened the data directory last (see `open_observed`).
+const OPENED_KEY: &[u8] = b"meta/opened";
+
 /// How many fencing tokens one reservation covers.
 const FENCE_BLOCK: u64 = 1 << 20;
 
@@ -163,6 +166,10 @@ struct Inner {
     due: DueIndex,
     /// How many records there are, without a scan per scrape.
     record_count: RecordCount,
+    /// Whether every record and mark has its index entry (see super::due).
+    index_whole: AtomicBool,
+    /// Set by close: background work stops.
+    closing: AtomicBool,
     /// sled's log file, synced by checkpoints.
     log_file: Arc<File>,
     path: PathBuf,
@@ -182,35 +189,48 @@ struct Inner {
     checkpoint_stall: Arc<StallWatch>,
 }
 
-/// The number of records, counted once (at the first scrape) and kept
-/// since from the writes that create and remove them: a scan of a million
-/// records every scrape would pull every page through the cache.
+/// The number of records without a scan per scrape (which would pull a
+/// million records' pages through the cache): left by the last clean close
+/// with the index's marker, or counted by the background filing of the
+/// index after a crash; kept since from the writes that create and remove
+/// records.
 #[derive(Debug, Default)]
 struct RecordCount {
-    /// The scan's count and `changes` when it started; a write during the
-    /// scan may be counted twice or not at all (a few, once per start).
+    /// The count, and `changes` when it was taken. A record created or
+    /// removed during the background scan, at a key the scan had not
+    /// reached, is counted twice: after a crash, the figure is off by at
+    /// most the creations and removals made during that scan, until the
+    /// next clean close.
     counted: OnceLock<(u64, i64)>,
     /// Records created minus records removed since open.
     changes: AtomicI64,
 }
 
 impl RecordCount {
-    fn changed(&self, existed: bool, exists: bool) {
-        match (existed, exists) {
-            (false, true) => self.changes.fetch_add(1, SeqCst),
-            (true, false) => self.changes.fetch_sub(1, SeqCst),
-            _ => return,
-        };
+    fn starting_at(left: Option<u64>) -> Self {
+        let count = RecordCount::default();
+        if let Some(records) = left {
+            count.counted(records, 0);
+        }
+        count
     }
 
-    /// Blocks for the scan the first time.
-    fn get(&self, records: &sled::Tree) -> u64 {
-        let (counted, changes_then) = *self.counted.get_or_init(|| {
-            let changes_then = self.changes.load(SeqCst);
-            (records.len() as u64, changes_then)
-        });
+    fn counted(&self, records: u64, changes_then: i64) {
+        let _ = self.counted.set((records, changes_then));
+    }
+
+    fn changed(&self, existed: bool, exists: bool) {
+        let delta = i64::from(exists) - i64::from(existed);
+        if delta != 0 {
+            self.changes.fetch_add(delta, SeqCst);
+        }
+    }
+
+    /// `None` until counted.
+    fn get(&self) -> Option<u64> {
+        let (counted, changes_then) = *self.counted.get()?;
         let since = self.changes.load(SeqCst) - changes_then;
-        counted.saturating_add_signed(since)
+        Some(counted.saturating_add_signed(since))
     }
 }
 
@@ -559,24 +579,25 @@ impl SledStore {
         };
         let next_token = floor.max(highest_token + 1);
         db.insert(FENCE_KEY, &(next_token + FENCE_BLOCK).to_le_bytes()[..])?;
-        db.insert("meta/opened", &[1u8][..])?;
+        // 1: written by every dedupd before the expiry index, at each open.
+        let older_ran = db.get(OPENED_KEY)?.is_some_and(|by| by[..] == [1]);
+        db.insert(OPENED_KEY, &[2u8][..])?;
 
-        // Stores written before the sweep kept an expiry index: drop it.
+        // Data directories from before the sweep the reaper once used kept
+        // an index of another shape (every change filed): drop it.
         if db.tree_names().iter().any(|name| &name[..] == b"expiry") {
             db.drop_tree("expiry")?;
         }
-        // A data directory from before the expiry index is indexed once.
-        let built =
-            due.build_unless_built(&db, [(Tree::Records, &records), (Tree::Marks, &marks)])?;
-        // The checkpoint that makes the replay, the index built (and the
-        // open write proving the disk writable) durable; only then may the
-        // log go, and the index be marked built.
+        // Whether the last run closed with the index whole (its marker goes
+        // now, with the checkpoint below: a crash from here on leaves none).
+        let left_whole = DueIndex::was_left_whole(&db, older_ran)?
+            // A new data directory (or an emptied one) has nothing to file.
+            .or_else(|| (records.is_empty() && marks.is_empty()).then_some(0));
+        // The checkpoint that makes the replay (and the open write proving
+        // the disk writable) durable; only then may the log go.
         let blobs = BlobSyncer::new(config.path.join("blobs"));
         let blobs = bounded_checkpoint(&db, &log_file, blobs, &config.path, config.stall_timeout)?;
         wal::remove_through(&wal_dir, replayed.last_segment)?;
-        if built {
-            DueIndex::mark_built(&db)?;
-        }
 
         let counters = Arc::new(WriteCounters::default());
         let failure = Arc::new(Failure::default());
@@ -614,12 +635,12 @@ impl SledStore {
             }
             SyncMode::None => (None, None),
         };
-        Ok(SledStore {
+        let store = SledStore {
             inner: Arc::new(Inner {
                 records,
                 marks,
                 due,
-                record_count: RecordCount::default(),
+                record_count: RecordCount::starting_at(left_whole),
                 db,
                 log_file,
                 path: config.path.clone(),
@@ -637,8 +658,65 @@ impl SledStore {
                 space,
                 stall,
                 checkpoint_stall,
+                index_whole: AtomicBool::new(left_whole.is_some()),
+                closing: AtomicBool::new(false),
             }),
-        })
+        };
+        if left_whole.is_none() {
+            store.cover_in_background()?;
+        }
+        Ok(store)
+    }
+
+    /// Files the index's missing entries on a thread of its own (see
+    /// super::due): the store serves meanwhile.
+    fn cover_in_background(&self) -> Result<(), Error> {
+        // Not the store itself: a store dropped without close ends its
+        // threads (and lets go of sled) without waiting for this one.
+        let store = Arc::downgrade(&self.inner);
+        let (due, records, marks) = (
+            self.inner.due.clone(),
+            self.inner.records.clone(),
+            self.inner.marks.clone(),
+        );
+        thread::Builder::new()
+            .name("dedupd-index".into())
+            .spawn(move || {
+                let started = Instant::now();
+                tracing::info!(
+                    "filing the expiry index's missing entries in the background (after a \
+                     crash, or on a data directory an older dedupd wrote)"
+                );
+                let stop = || {
+                    store.upgrade().is_none_or(|inner| {
+                        inner.closing.load(SeqCst) || inner.failure.get().is_some()
+                    })
+                };
+                let trees = [(Tree::Records, &records), (Tree::Marks, &marks)];
+                // The record count comes from the same scan.
+                let changes_then = store
+                    .upgrade()
+                    .map_or(0, |inner| inner.record_count.changes.load(SeqCst));
+                match due.cover_all(trees, stop) {
+                    Ok(Some([records, marks])) => {
+                        if let Some(inner) = store.upgrade() {
+                            inner.record_count.counted(records, changes_then);
+                            inner.index_whole.store(true, SeqCst);
+                        }
+                        let entries = records + marks;
+                        tracing::info!(
+                            entries,
+                            elapsed_ms = started.elapsed().as_millis() as u64,
+                            "the expiry index is whole"
+                        );
+                    }
+                    Ok(None) => {}
+                    Err(error) => {
+                        tracing::warn!(%error, "filing the expiry index stopped; the next start goes on")
+                    }
+                }
+            })?;
+        Ok(())
     }
 
     /// Bytes sled and the write-ahead log use on disk.
@@ -783,14 +861,7 @@ impl Inner {
         })?;
         let replacement = replacement.map(IVec::from);
         let mut log = self.lock_log()?;
-        let file = |at| {
-            self.due
-                .file(at, tree, key)
-                .map_err(|error| self.failure.write_failed(error))
-        };
-        if let (Some(at), None) = (entry, &log) {
-            file(at)?; // no log: before the swap (see super::due)
-        }
+
         // Dropped before the log's lock: the committer, holding that lock,
         // finds every write finished.
         let write = WriteGuard::new(&self.counters);
@@ -802,17 +873,23 @@ impl Inner {
             Ok(()) => {
                 if let Some(log) = &mut log {
                     log.append(tree, key, replacement.as_deref());
-                    if let Some(at) = entry {
-                        // Under the log's lock, before any checkpoint can
-                        // cover the frame (see super::due).
-                        file(at)?;
-                    }
                 }
-                drop(write);
                 if tree == Tree::Records {
                     self.record_count
                         .changed(current.is_some(), replacement.is_some());
                 }
+                // Under the log's lock (see super::due). The change is made:
+                // a failure here must not answer as if it were not, and
+                // leaves the index short, so the store stops (the restart
+                // files what is missing).
+                if let Some(at) = entry {
+                    self.due.file(at, tree, key).map_err(|error| {
+                        Error::Unavailable(self.failure.fail(format!(
+                            "the expiry index could not be written ({error}); restart dedupd"
+                        )))
+                    })?;
+                }
+                drop(write);
                 Ok(Ok(()))
             }
             Err(conflict) => {
@@ -852,6 +929,9 @@ impl Inner {
     /// claim since committed), and the entry dropped.
     fn reap(&self, now: UnixMillis, budget: usize) -> Result<ReapReport, Error> {
         let busy = self.enter()?;
+        // Its writes (removals, entries dropped and filed again) free
+        // space: allowed, as removals are, down to half the reserve.
+        self.space.admit(WriteKind::Delete)?;
         let mut report = ReapReport::default();
         for entry in self.due.due(now) {
             busy.renew();
@@ -1067,7 +1147,7 @@ impl Store for SledStore {
         }
         let inner = Arc::clone(&self.inner);
         let stats = tokio::task::spawn_blocking(move || StoreStats {
-            records: Some(inner.record_count.get(&inner.records)),
+            records: inner.record_count.get(),
             disk_bytes: inner
                 .db
                 .size_on_disk()
@@ -1097,6 +1177,15 @@ impl Store for SledStore {
                 committer.shut_down();
             }
             inner.failure.check()?;
+            // Every change's entry is filed (each under the log's lock,
+            // now closed): the index is whole unless it was not at open
+            // and its background filing has not finished.
+            inner.closing.store(true, SeqCst);
+            if let (true, Some(records)) =
+                (inner.index_whole.load(SeqCst), inner.record_count.get())
+            {
+                DueIndex::mark_whole(&inner.db, records)?;
+            }
             // The sync watch has ended: health (the watchdog) sees this one.
             inner.stall.sync_starting();
             let synced = inner.final_checkpoint();
@@ -1661,7 +1750,7 @@ mod tests {
         )
     }
 
-    /// The reaper sweeps without pause while one key is claimed and
+    /// The reaper runs without pause while one key is claimed and
     /// committed over and over, each time after the last record expired: a
     /// claim that replaced the expired record the reaper read must survive
     /// its removal (a compare-and-swap, not a remove), so every commit with
@@ -1756,8 +1845,8 @@ mod tests {
         );
         assert_eq!(store.record_count(), 950);
         // The count metrics read, kept from the writes since its one scan.
-        let kept_count = || store.inner.record_count.get(&store.inner.records);
-        assert_eq!(kept_count(), 950);
+        let kept_count = || store.inner.record_count.get();
+        assert_eq!(kept_count(), Some(950));
         assert_eq!(
             store.reap(clock.now(), 10_000).await.unwrap(),
             ReapReport::default()
@@ -1770,7 +1859,7 @@ mod tests {
         let later = store.reap(clock.now(), 10_000).await.unwrap();
         assert_eq!((later.examined, later.removed), (900, 900), "{later:?}");
         assert_eq!((store.record_count(), store.inner.due.len()), (0, 0));
-        assert_eq!(kept_count(), 0);
+        assert_eq!(kept_count(), Some(0));
     }
 
     /// A commit is covered by its claim's entry, at most one lease late; a
@@ -1820,11 +1909,12 @@ mod tests {
         assert_eq!(store.record_count(), 0);
     }
 
-    /// A data directory without the index (from before it, or whose build a
-    /// crash cut short) is indexed at open, once: what expired in it is
-    /// reaped.
+    /// Opened without the marker a clean close leaves (after a crash, or on
+    /// a data directory an older dedupd wrote), the store files the missing
+    /// entries in the background while it serves, and what expired is
+    /// reaped; a clean close then leaves the marker again.
     #[tokio::test]
-    async fn a_directory_from_before_the_index_is_indexed_once_at_open() {
+    async fn an_index_left_short_is_filed_in_the_background() {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(UnixMillis(1_000_000));
         {
@@ -1836,23 +1926,69 @@ mod tests {
                     .await
                     .unwrap();
             }
-            // As today's format left it: no index, no marker.
+            // As a crash between sled writing the records out and their
+            // entries, or an older dedupd, leaves it: records, no entries,
+            // no marker (dropped, not closed).
             store.inner.due.clear();
-            store.inner.db.remove(super::super::due::BUILT_KEY).unwrap();
-            store.close().await.unwrap();
+            store.inner.final_checkpoint().unwrap();
         }
         let store = reopen(dir.path()).await;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !store.inner.index_whole.load(SeqCst) {
+            assert!(
+                Instant::now() < deadline,
+                "the background filing never ended"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         assert_eq!(store.inner.due.len(), 20);
-        assert!(store
-            .inner
-            .db
-            .get(super::super::due::BUILT_KEY)
-            .unwrap()
-            .is_some());
         clock.advance(Duration::from_secs(60));
         let report = store.reap(clock.now(), 1000).await.unwrap();
         assert_eq!((report.examined, report.removed), (20, 20));
         assert_eq!(store.record_count(), 0);
+        store.close().await.unwrap();
+        drop(store);
+        let store = reopen(dir.path()).await;
+        assert!(
+            store.inner.index_whole.load(SeqCst),
+            "a clean close marks it whole"
+        );
+    }
+
+    /// An older dedupd that opened the directory since the last clean close
+    /// filed no entries for what it wrote: the marker is not trusted, and
+    /// the missing entries are filed in the background.
+    #[tokio::test]
+    async fn an_older_dedupd_since_the_last_close_is_noticed() {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = ManualClock::new(UnixMillis(1_000_000));
+        {
+            let store = store(dir.path());
+            let engine = Engine::new(Arc::new(store.clone()), Arc::new(clock.clone()));
+            for i in 0..5 {
+                engine
+                    .claim(&claim_request(&format!("old-{i}")))
+                    .await
+                    .unwrap();
+            }
+            // Records without entries (as an older dedupd writes them), a
+            // clean close's marker, then the older dedupd's mark at open.
+            store.inner.due.clear();
+            store.close().await.unwrap();
+            store.inner.db.insert(OPENED_KEY, &[1u8][..]).unwrap();
+            store.inner.db.flush().unwrap();
+        }
+        let store = reopen(dir.path()).await;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !store.inner.index_whole.load(SeqCst) {
+            assert!(
+                Instant::now() < deadline,
+                "the background filing never ended"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(store.inner.due.len(), 5);
+        assert_eq!(store.inner.record_count.get(), Some(5));
     }
 
     /// The index is not logged: a record the replay restores (sled lost it
@@ -1895,8 +2031,9 @@ mod tests {
         assert_eq!(store.record_count(), 0);
     }
 
-    /// A data directory from before the sweep had an expiry index: it is
-    /// dropped at open, and its records are still there.
+    /// A data directory from before the sweep had an index of another
+    /// shape (tree `expiry`): it is dropped at open, and its records are
+    /// still there.
     #[tokio::test]
     async fn the_old_expiry_index_is_dropped_at_open() {
         let dir = tempfile::tempdir().unwrap();
