@@ -48,7 +48,7 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// How often the reaper looks for expired records.
     pub reaper_interval: Duration,
-    /// Most records one reaper pass removes before yielding.
+    /// Most entries one reaper pass reads before yielding.
     pub reaper_batch: usize,
     /// Largest gRPC message accepted or sent, in bytes.
     pub max_message_bytes: usize,

@@ -543,10 +543,10 @@ struct Restart<'a> {
 
 impl Restart<'_> {
     /// Starts the sidecar and checks what was acknowledged. When LazyFS
-    /// died by itself meanwhile (the store then fails every call), what
-    /// failed is the file system's, not the store's: the check is undone
-    /// (its keys checked again), LazyFS mounted again — a power cut at that
-    /// moment — and the restart made again.
+    /// died by itself meanwhile (the store then fails every call), the calls
+    /// that failed are the file system's, not the store's (a wrong answer
+    /// stays a failure): LazyFS is mounted again — a power cut at that
+    /// moment — and the restart and the check are made again.
     async fn and_check(
         &self,
         lazyfs: &mut LazyFs,

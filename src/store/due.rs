@@ -8,7 +8,8 @@
 //! names and decides on what it finds — absent: the entry goes; expired:
 //! the record is removed by compare-and-swap; not yet: it is filed again at
 //! its `retain_until`. **Every record and mark has an entry**, at most one
-//! lease (and a second) after its `retain_until`.
+//! lease (and a second) after its `retain_until` — once the index is whole
+//! (below).
 //!
 //! Kept lazily, so that a write seldom pays for it ([`record_entry`]): a
 //! claim files one at its `retain_until`; the claim's commit, release or
@@ -34,7 +35,7 @@
 use sled::IVec;
 
 use super::{
-    codec::{decode_mark, record_retain_until},
+    codec::{decode_mark, decode_record, record_retain_until},
     wal::Tree,
 };
 use crate::{clock::UnixMillis, domain::Record, error::Error, machine::SequenceMark};
@@ -183,13 +184,27 @@ impl DueIndex {
         Ok(Some(counts))
     }
 
-    /// Makes sure `key` of `tree`, holding `value`, has an entry at its
-    /// `retain_until` (the replay, the build). An unreadable value gets
-    /// none: the reaper would skip it anyway.
+    /// Makes sure `key` of `tree`, holding `value`, has an entry (the
+    /// replay, the background filing): the one its claim filed (a commit
+    /// or release keeps the claim's lease end, and with its retention that
+    /// gives the claim's `retain_until`), or else one at its own
+    /// `retain_until`. An unreadable value gets none: the reaper would skip
+    /// it anyway.
     pub fn cover(&self, tree: Tree, key: &[u8], value: &[u8]) -> Result<(), Error> {
         let Some(Ok(retain_until)) = retain_until_of(tree, value) else {
             return Ok(());
         };
+        let claims = match tree {
+            Tree::Records => decode_record(value)
+                .ok()
+                .map(|record| record.lease_expires_at.saturating_add(record.retention)),
+            Tree::Marks | Tree::Meta => None,
+        };
+        for at in claims.into_iter().filter(|&at| at != retain_until) {
+            if self.tree.get(encode(at, tree, key))?.is_some() {
+                return Ok(());
+            }
+        }
         let entry = encode(retain_until, tree, key);
         if self.tree.get(&entry)?.is_none() {
             self.tree.insert(entry, IVec::default())?;

@@ -170,6 +170,8 @@ struct Inner {
     index_whole: AtomicBool,
     /// Set by close: background work stops.
     closing: AtomicBool,
+    /// The background filing of the index, joined at close.
+    covering: Mutex<Option<thread::JoinHandle<()>>>,
     /// sled's log file, synced by checkpoints.
     log_file: Arc<File>,
     path: PathBuf,
@@ -590,7 +592,8 @@ impl SledStore {
         }
         // Whether the last run closed with the index whole (its marker goes
         // now, with the checkpoint below: a crash from here on leaves none).
-        let left_whole = DueIndex::was_left_whole(&db, older_ran)?
+        // (Nor after a replay: a marker sled kept past writes it lost.)
+        let left_whole = DueIndex::was_left_whole(&db, older_ran || replayed.frames > 0)?
             // A new data directory (or an emptied one) has nothing to file.
             .or_else(|| (records.is_empty() && marks.is_empty()).then_some(0));
         // The checkpoint that makes the replay (and the open write proving
@@ -660,6 +663,7 @@ impl SledStore {
                 checkpoint_stall,
                 index_whole: AtomicBool::new(left_whole.is_some()),
                 closing: AtomicBool::new(false),
+                covering: Mutex::new(None),
             }),
         };
         if left_whole.is_none() {
@@ -671,15 +675,16 @@ impl SledStore {
     /// Files the index's missing entries on a thread of its own (see
     /// super::due): the store serves meanwhile.
     fn cover_in_background(&self) -> Result<(), Error> {
-        // Not the store itself: a store dropped without close ends its
-        // threads (and lets go of sled) without waiting for this one.
+        // Not the store itself, so dropping the store (without close)
+        // stops it: at its next entry it finds the store gone, and then
+        // lets go of sled's trees. Close stops it and waits.
         let store = Arc::downgrade(&self.inner);
         let (due, records, marks) = (
             self.inner.due.clone(),
             self.inner.records.clone(),
             self.inner.marks.clone(),
         );
-        thread::Builder::new()
+        let thread = thread::Builder::new()
             .name("dedupd-index".into())
             .spawn(move || {
                 let started = Instant::now();
@@ -687,9 +692,17 @@ impl SledStore {
                     "filing the expiry index's missing entries in the background (after a \
                      crash, or on a data directory an older dedupd wrote)"
                 );
+                // Its writes, one per record, are admitted like removals
+                // (checked every thousand): on a disk at its reserve it
+                // stops, and the next start goes on.
+                let filed = std::cell::Cell::new(0u64);
                 let stop = || {
+                    filed.set(filed.get() + 1);
                     store.upgrade().is_none_or(|inner| {
-                        inner.closing.load(SeqCst) || inner.failure.get().is_some()
+                        inner.closing.load(SeqCst)
+                            || inner.failure.get().is_some()
+                            || (filed.get().is_multiple_of(1000)
+                                && inner.space.admit(WriteKind::Delete).is_err())
                     })
                 };
                 let trees = [(Tree::Records, &records), (Tree::Marks, &marks)];
@@ -716,6 +729,7 @@ impl SledStore {
                     }
                 }
             })?;
+        *self.inner.covering.lock().expect("covering lock") = Some(thread);
         Ok(())
     }
 
@@ -865,6 +879,13 @@ impl Inner {
         // Dropped before the log's lock: the committer, holding that lock,
         // finds every write finished.
         let write = WriteGuard::new(&self.counters);
+        // Without a log (`--sync none`) nothing else stops a write racing
+        // close: counted started first, so close, which sets `closing`
+        // and then waits for the writes started, sees this one.
+        if self.closing.load(SeqCst) {
+            write.cancel();
+            return Err(Error::Unavailable("the store is closed".into()));
+        }
         let swapped = self
             .tree(tree)
             .compare_and_swap(key, current, replacement.clone())
@@ -1177,13 +1198,25 @@ impl Store for SledStore {
                 committer.shut_down();
             }
             inner.failure.check()?;
-            // Every change's entry is filed (each under the log's lock,
-            // now closed): the index is whole unless it was not at open
-            // and its background filing has not finished.
+            // Every change's entry is filed once the writes started have
+            // finished (a write checks `closing` once counted): the index
+            // is whole unless it was not at open and its background filing
+            // has not finished.
             inner.closing.store(true, SeqCst);
-            if let (true, Some(records)) =
-                (inner.index_whole.load(SeqCst), inner.record_count.get())
-            {
+            if let Some(covering) = inner.covering.lock().expect("covering lock").take() {
+                let _ = covering.join();
+            }
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let in_flight =
+                || inner.counters.started.load(SeqCst) > inner.counters.finished.load(SeqCst);
+            while in_flight() && Instant::now() < deadline {
+                thread::sleep(Duration::from_millis(1));
+            }
+            if let (false, true, Some(records)) = (
+                in_flight(),
+                inner.index_whole.load(SeqCst),
+                inner.record_count.get(),
+            ) {
                 DueIndex::mark_whole(&inner.db, records)?;
             }
             // The sync watch has ended: health (the watchdog) sees this one.
@@ -1953,6 +1986,37 @@ mod tests {
             store.inner.index_whole.load(SeqCst),
             "a clean close marks it whole"
         );
+    }
+
+    /// Filing a committed record again (the replay, the background filing
+    /// after a crash) finds its claim's entry: no second one.
+    #[tokio::test]
+    async fn a_committed_record_is_not_filed_twice() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(dir.path());
+        let engine = Engine::new(
+            Arc::new(store.clone()),
+            Arc::new(ManualClock::new(UnixMillis(1_000_000))),
+        );
+        let mut request = claim_request("once");
+        request.lease_ttl = Duration::from_secs(30);
+        let ClaimOutcome::Claimed { record, .. } = engine.claim(&request).await.unwrap() else {
+            panic!("a fresh key is claimable");
+        };
+        engine
+            .commit(&CommitRequest {
+                key: request.key.clone(),
+                lease_token: record.lease_token,
+                response: Vec::new(),
+                retention: None,
+            })
+            .await
+            .unwrap();
+        let key = request.key.to_bytes();
+        let value = store.inner.records.get(&key).unwrap().unwrap();
+        assert_eq!(store.inner.due.len(), 1);
+        store.inner.due.cover(Tree::Records, &key, &value).unwrap();
+        assert_eq!(store.inner.due.len(), 1, "the claim's entry covers it");
     }
 
     /// An older dedupd that opened the directory since the last clean close
