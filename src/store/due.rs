@@ -21,8 +21,9 @@
 //!
 //! The entry is filed right after the compare-and-swap that needs it (so
 //! a swap that loses — every DUPLICATE a fresh-key guess runs into —
-//! writes nothing more), under the log's lock, so a clean close, which
-//! takes that lock, finds every entry filed. A crash can fall between
+//! writes nothing more), before the write counts as finished; a clean
+//! close refuses new writes and waits for those in flight, so it finds
+//! every entry filed. A crash can fall between
 //! the two (sled may write the record out and not the entry), so the
 //! index is known whole only after a clean close: it then leaves a marker,
 //! removed at open. Opened without it — after a crash, on a data directory
@@ -186,10 +187,11 @@ impl DueIndex {
 
     /// Makes sure `key` of `tree`, holding `value`, has an entry (the
     /// replay, the background filing): the one its claim filed (a commit
-    /// or release keeps the claim's lease end, and with its retention that
-    /// gives the claim's `retain_until`), or else one at its own
-    /// `retain_until`. An unreadable value gets none: the reaper would skip
-    /// it anyway.
+    /// keeps the claim's lease end, which with the retention gives the
+    /// claim's `retain_until`), or else one at its own `retain_until`. A
+    /// released or renewed record, or one committed with a longer
+    /// retention, may so get a second entry (read once more, when due). An
+    /// unreadable value gets none: the reaper would skip it anyway.
     pub fn cover(&self, tree: Tree, key: &[u8], value: &[u8]) -> Result<(), Error> {
         let Some(Ok(retain_until)) = retain_until_of(tree, value) else {
             return Ok(());

@@ -202,7 +202,7 @@ struct RecordCount {
     /// removed during the background scan, at a key the scan had not
     /// reached, is counted twice: after a crash, the figure is off by at
     /// most the creations and removals made during that scan, until the
-    /// next clean close.
+    /// next scan (a clean close carries it in the marker).
     counted: OnceLock<(u64, i64)>,
     /// Records created minus records removed since open.
     changes: AtomicI64,
@@ -692,17 +692,23 @@ impl SledStore {
                     "filing the expiry index's missing entries in the background (after a \
                      crash, or on a data directory an older dedupd wrote)"
                 );
-                // Its writes, one per record, are admitted like removals
-                // (checked every thousand): on a disk at its reserve it
-                // stops, and the next start goes on.
+                // Its writes, one per record, are admitted as new records
+                // are (checked every thousand, from the first), so they
+                // never take the space the reaper frees with: on a disk
+                // at its reserve it stops, and the next start goes on.
                 let filed = std::cell::Cell::new(0u64);
                 let stop = || {
                     filed.set(filed.get() + 1);
                     store.upgrade().is_none_or(|inner| {
-                        inner.closing.load(SeqCst)
-                            || inner.failure.get().is_some()
-                            || (filed.get().is_multiple_of(1000)
-                                && inner.space.admit(WriteKind::Delete).is_err())
+                        let short = filed.get() % 1000 == 1
+                            && inner.space.admit(WriteKind::Put).is_err();
+                        if short {
+                            tracing::warn!(
+                                "filing the expiry index stopped: the disk is at its reserve \
+                                 (the next start goes on)"
+                            );
+                        }
+                        inner.closing.load(SeqCst) || inner.failure.get().is_some() || short
                     })
                 };
                 let trees = [(Tree::Records, &records), (Tree::Marks, &marks)];
@@ -899,7 +905,8 @@ impl Inner {
                     self.record_count
                         .changed(current.is_some(), replacement.is_some());
                 }
-                // Under the log's lock (see super::due). The change is made:
+                // Before the write counts as finished (see super::due).
+                // The change is made:
                 // a failure here must not answer as if it were not, and
                 // leaves the index short, so the store stops (the restart
                 // files what is missing).
@@ -950,6 +957,9 @@ impl Inner {
     /// claim since committed), and the entry dropped.
     fn reap(&self, now: UnixMillis, budget: usize) -> Result<ReapReport, Error> {
         let busy = self.enter()?;
+        if self.closing.load(SeqCst) {
+            return Err(Error::Unavailable("the store is closed".into()));
+        }
         // Its writes (removals, entries dropped and filed again) free
         // space: allowed, as removals are, down to half the reserve.
         self.space.admit(WriteKind::Delete)?;
@@ -1203,15 +1213,23 @@ impl Store for SledStore {
             // is whole unless it was not at open and its background filing
             // has not finished.
             inner.closing.store(true, SeqCst);
-            if let Some(covering) = inner.covering.lock().expect("covering lock").take() {
-                let _ = covering.join();
-            }
-            let deadline = Instant::now() + Duration::from_secs(5);
-            let in_flight =
-                || inner.counters.started.load(SeqCst) > inner.counters.finished.load(SeqCst);
+            // Waited for briefly (the server gives close a few seconds): a
+            // filing not finished, or a write still in flight, only means
+            // no marker, and a scan at the next start.
+            let covering = inner.covering.lock().expect("covering lock").take();
+            let deadline = Instant::now() + Duration::from_secs(1);
+            let in_flight = || {
+                inner.counters.started.load(SeqCst) > inner.counters.finished.load(SeqCst)
+                    || covering
+                        .as_ref()
+                        .is_some_and(|thread| !thread.is_finished())
+            };
             while in_flight() && Instant::now() < deadline {
                 thread::sleep(Duration::from_millis(1));
             }
+            // A failure meanwhile (a write's entry not filed) leaves no
+            // marker, and sled alone.
+            inner.failure.check()?;
             if let (false, true, Some(records)) = (
                 in_flight(),
                 inner.index_whole.load(SeqCst),
@@ -1986,6 +2004,28 @@ mod tests {
             store.inner.index_whole.load(SeqCst),
             "a clean close marks it whole"
         );
+    }
+
+    /// With `--sync none` no log's lock stops a write racing close: close
+    /// refuses new writes itself (and waits for those in flight) before it
+    /// marks the index whole.
+    #[tokio::test]
+    async fn a_write_after_close_is_refused_without_a_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SledStore::open(&SledConfig {
+            sync: SyncMode::None,
+            cache_capacity_bytes: 4 << 20,
+            ..SledConfig::new(dir.path())
+        })
+        .unwrap();
+        let engine = Engine::new(
+            Arc::new(store.clone()),
+            Arc::new(ManualClock::new(UnixMillis(1_000_000))),
+        );
+        engine.claim(&claim_request("before")).await.unwrap();
+        store.close().await.unwrap();
+        let refused = engine.claim(&claim_request("after")).await.unwrap_err();
+        assert!(matches!(refused, Error::Unavailable(_)), "{refused:?}");
     }
 
     /// Filing a committed record again (the replay, the background filing
