@@ -1793,6 +1793,32 @@ mod tests {
         }
     }
 
+    /// A store in `dir` with `claims` keys claimed (`old-0`…) at `clock`.
+    async fn store_claiming(dir: &Path, clock: &ManualClock, claims: usize) -> SledStore {
+        let store = store(dir);
+        let engine = Engine::new(Arc::new(store.clone()), Arc::new(clock.clone()));
+        for i in 0..claims {
+            engine
+                .claim(&claim_request(&format!("old-{i}")))
+                .await
+                .unwrap();
+        }
+        store
+    }
+
+    /// Waits (at most 10 s) for the background filing to make the index
+    /// whole.
+    async fn until_index_whole(store: &SledStore) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !store.inner.index_whole.load(SeqCst) {
+            assert!(
+                Instant::now() < deadline,
+                "the background filing never ended"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     fn claim_request(id: &str) -> ClaimRequest {
         ClaimRequest::plain(
             crate::api::Limits::default().key("reap", id).unwrap(),
@@ -1969,14 +1995,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(UnixMillis(1_000_000));
         {
-            let store = store(dir.path());
-            let engine = Engine::new(Arc::new(store.clone()), Arc::new(clock.clone()));
-            for i in 0..20 {
-                engine
-                    .claim(&claim_request(&format!("old-{i}")))
-                    .await
-                    .unwrap();
-            }
+            let store = store_claiming(dir.path(), &clock, 20).await;
             // As a crash between sled writing the records out and their
             // entries, or an older dedupd, leaves it: records, no entries,
             // no marker (dropped, not closed).
@@ -1984,14 +2003,7 @@ mod tests {
             store.inner.final_checkpoint().unwrap();
         }
         let store = reopen(dir.path()).await;
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !store.inner.index_whole.load(SeqCst) {
-            assert!(
-                Instant::now() < deadline,
-                "the background filing never ended"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        until_index_whole(&store).await;
         assert_eq!(store.inner.due.len(), 20);
         clock.advance(Duration::from_secs(60));
         let report = store.reap(clock.now(), 1000).await.unwrap();
@@ -2067,14 +2079,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let clock = ManualClock::new(UnixMillis(1_000_000));
         {
-            let store = store(dir.path());
-            let engine = Engine::new(Arc::new(store.clone()), Arc::new(clock.clone()));
-            for i in 0..5 {
-                engine
-                    .claim(&claim_request(&format!("old-{i}")))
-                    .await
-                    .unwrap();
-            }
+            let store = store_claiming(dir.path(), &clock, 5).await;
             // Records without entries (as an older dedupd writes them), a
             // clean close's marker, then the older dedupd's mark at open.
             store.inner.due.clear();
@@ -2083,14 +2088,7 @@ mod tests {
             store.inner.db.flush().unwrap();
         }
         let store = reopen(dir.path()).await;
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !store.inner.index_whole.load(SeqCst) {
-            assert!(
-                Instant::now() < deadline,
-                "the background filing never ended"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        until_index_whole(&store).await;
         assert_eq!(store.inner.due.len(), 5);
         assert_eq!(store.inner.record_count.get(), Some(5));
     }
