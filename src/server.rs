@@ -48,7 +48,7 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// How often the reaper looks for expired records.
     pub reaper_interval: Duration,
-    /// Most entries one reaper pass reads before yielding.
+    /// Most records one reaper pass removes before yielding.
     pub reaper_batch: usize,
     /// Largest gRPC message accepted or sent, in bytes.
     pub max_message_bytes: usize,
@@ -587,7 +587,7 @@ async fn reap<S: Store>(
             _ = ticker.tick() => {}
             () = &mut stop => return,
         }
-        // A pass that read a full batch means more may be due: go on,
+        // A pass that removed a full batch means more may be waiting: go on,
         // yielding in between.
         loop {
             // No decision on a clock that cannot be trusted (a shared
@@ -608,7 +608,7 @@ async fn reap<S: Store>(
                             "reaper pass"
                         );
                     }
-                    if report.examined < batch {
+                    if report.removed < batch {
                         break;
                     }
                 }

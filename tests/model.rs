@@ -403,17 +403,12 @@ proptest! {
                     prop_assert_eq!(&answer, &expected, "{}, step {} {:?}", name, step, op);
                 }
                 if let Op::Reap = op {
-                    // The reaper keeps what has not expired and removes what
-                    // expired more than a lease ago (a commit or release is
-                    // reaped at most one lease late: src/store/due.rs); the
-                    // embedded store counts what it holds.
-                    let (now, lease) = (model.now, LEASE_SECS * 1000);
-                    let kept = model.records.values().filter(|r| now < r.retain_until).count();
-                    let late = model.records.values().filter(|r| (r.retain_until..r.retain_until + lease).contains(&now)).count();
+                    // The reaper leaves exactly what has not expired (the
+                    // embedded store counts what it holds).
+                    let kept = model.records.values().filter(|r| model.now < r.retain_until).count();
                     for (name, subject) in &subjects {
                         if let AnyStore::Sled(store) = &**subject.engine.store() {
-                            let stored = store.record_count();
-                            prop_assert!((kept..=kept + late).contains(&stored), "{} after the reaper, step {}: {} stored, {} live, {} expired within a lease", name, step, stored, kept, late);
+                            prop_assert_eq!(store.record_count(), kept, "{} after the reaper, step {}", name, step);
                         }
                     }
                 }

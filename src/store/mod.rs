@@ -15,7 +15,6 @@
 
 pub mod codec;
 mod disk;
-mod due;
 pub mod memory;
 pub mod optimistic;
 pub mod postgres;
@@ -56,8 +55,7 @@ pub trait StoreObserver: Send + Sync + fmt::Debug {
 pub struct ReapReport {
     /// Expired records and ordering marks removed.
     pub removed: usize,
-    /// Entries read to find them, removed ones included (on sled: the
-    /// expiry index's entries due by then, each with its record).
+    /// Entries looked at (removed ones included).
     pub examined: usize,
 }
 
@@ -114,9 +112,8 @@ pub trait Store: Send + Sync + 'static {
     /// crash could lose.
     fn durable(&self) -> impl Future<Output = Result<(), Error>> + Send;
 
-    /// Removes records and marks whose retention ended by `now`, reading
-    /// at most `budget` entries; the caller calls again while a pass reads
-    /// a full `budget`.
+    /// Removes up to `budget` records and marks whose retention ended by
+    /// `now`; the caller calls again while a pass removes a full `budget`.
     fn reap(
         &self,
         now: UnixMillis,

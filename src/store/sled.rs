@@ -1,4 +1,4 @@
-//! The embedded store: sled 0.34 with three trees and one committer thread.
+//! The embedded store: sled 0.34 with two trees and one committer thread.
 //!
 //! - `records`: key bytes → encoded [`Record`] (its `retain_until` in the
 //!   first bytes, see [`super::codec`]); changed only by compare-and-swap,
@@ -10,12 +10,11 @@
 //!   nothing reads first, since an assumption cannot answer it.
 //! - `marks`: ordering scope → highest committed sequence.
 //!
-//! - `due`: an expiry index ([`super::due`]) the reaper reads from its
-//!   start up to now, so a pass reads what is due and nothing else; kept
-//!   lazily (an entry when a key is created, seldom otherwise). The reaper
-//!   removes an expired record by compare-and-swap (so a claim that
-//!   replaced it meanwhile wins). Expired records read as absent whether
-//!   reaped or not.
+//! No expiry index: the reaper sweeps both trees with a cursor, a bounded
+//! number of entries per pass, reading each one's expiry from its prefix and
+//! removing it by compare-and-swap (so a claim that replaced it meanwhile
+//! wins). An index would cost two more tree writes per change, all at its
+//! right edge. Expired records read as absent whether swept or not.
 //!
 //! Durability (`sync = always`) lives in dedupd's own write-ahead log
 //! ([`super::wal`]), not in sled: waiting for sled's `flush()` costs a
@@ -47,7 +46,7 @@ use std::{
     fs::File,
     path::{Path, PathBuf},
     sync::{
-        atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering::SeqCst},
+        atomic::{AtomicBool, AtomicU64, Ordering::SeqCst},
         mpsc, Arc, Mutex, OnceLock,
     },
     thread,
@@ -58,9 +57,8 @@ use sled::IVec;
 use tokio::sync::Notify;
 
 use super::{
-    codec::{decode_mark, decode_record, encode_mark, encode_record},
+    codec::{decode_mark, decode_record, encode_mark, encode_record, record_retain_until},
     disk::{DiskSpace, WriteKind},
-    due::{mark_entry, record_entry, retain_until_of, DueIndex},
     optimistic::{self, with_token, Conditional, Swapped, Versioned},
     stall::{busy, watch_syncs, Busy, StallWatch, PROBE_AFTER},
     wal::sync_directory,
@@ -145,11 +143,15 @@ const LAZY_FLUSH_MS: u64 = 500;
 /// issued is below it.
 const FENCE_KEY: &[u8] = b"meta/fence-reserved";
 
-/// Which dedupd opened the data directory last (see `open_observed`).
-const OPENED_KEY: &[u8] = b"meta/opened";
-
 /// How many fencing tokens one reservation covers.
 const FENCE_BLOCK: u64 = 1 << 20;
+
+/// Reads when an entry of a tree stops being live.
+type RetainUntilOf = fn(&[u8]) -> Result<UnixMillis, Error>;
+
+/// A reaper pass looks at up to this many entries per record it may remove:
+/// a sweep covers the trees even when little in them has expired.
+const SWEEP_PER_REMOVAL: usize = 64;
 
 /// The sled store; clones share one database.
 #[derive(Debug, Clone)]
@@ -162,16 +164,8 @@ struct Inner {
     db: sled::Db,
     records: sled::Tree,
     marks: sled::Tree,
-    /// What is due for the reaper, by time.
-    due: DueIndex,
-    /// How many records there are, without a scan per scrape.
-    record_count: RecordCount,
-    /// Whether every record and mark has its index entry (see super::due).
-    index_whole: AtomicBool,
-    /// Set by close: background work stops.
-    closing: AtomicBool,
-    /// The background filing of the index, waited for (≤ 1 s) at close.
-    covering: Mutex<Option<thread::JoinHandle<()>>>,
+    /// Where the reaper's sweep of each tree goes on from (empty: the start).
+    sweep_cursors: Mutex<[Vec<u8>; 2]>,
     /// sled's log file, synced by checkpoints.
     log_file: Arc<File>,
     path: PathBuf,
@@ -189,51 +183,6 @@ struct Inner {
     stall: Arc<StallWatch>,
     /// The checkpoint thread's syncs (one sync at a time per watch).
     checkpoint_stall: Arc<StallWatch>,
-}
-
-/// The number of records without a scan per scrape (which would pull a
-/// million records' pages through the cache): left by the last clean close
-/// with the index's marker, or counted by the background filing of the
-/// index after a crash; kept since from the writes that create and remove
-/// records.
-#[derive(Debug, Default)]
-struct RecordCount {
-    /// The count, and `changes` when it was taken. A record created or
-    /// removed during the background scan, at a key the scan had not
-    /// reached, is counted twice: after a crash, the figure is off by at
-    /// most the creations and removals made during that scan, until the
-    /// next scan (a clean close carries it in the marker).
-    counted: OnceLock<(u64, i64)>,
-    /// Records created minus records removed since open.
-    changes: AtomicI64,
-}
-
-impl RecordCount {
-    fn starting_at(left: Option<u64>) -> Self {
-        let count = RecordCount::default();
-        if let Some(records) = left {
-            count.counted(records, 0);
-        }
-        count
-    }
-
-    fn counted(&self, records: u64, changes_then: i64) {
-        let _ = self.counted.set((records, changes_then));
-    }
-
-    fn changed(&self, existed: bool, exists: bool) {
-        let delta = i64::from(exists) - i64::from(existed);
-        if delta != 0 {
-            self.changes.fetch_add(delta, SeqCst);
-        }
-    }
-
-    /// `None` until counted.
-    fn get(&self) -> Option<u64> {
-        let (counted, changes_then) = *self.counted.get()?;
-        let since = self.changes.load(SeqCst) - changes_then;
-        Some(counted.saturating_add_signed(since))
-    }
 }
 
 /// The fencing token source (see the module docs).
@@ -301,7 +250,7 @@ impl Failure {
     }
 }
 
-/// Sizing the files walks the directory: do it at most this often.
+/// Counting records walks the whole tree: do it at most this often.
 const STATS_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The committer thread and the threads it started.
@@ -494,7 +443,6 @@ impl SledStore {
         File::open(config.path.join("conf"))?.sync_all()?;
         let records = db.open_tree("records")?;
         let marks = db.open_tree("marks")?;
-        let due = DueIndex::open(&db)?;
 
         // Whatever the log holds since the last checkpoint goes back into
         // sled, in the order it was made.
@@ -534,20 +482,13 @@ impl SledStore {
                 // by the whole replay, on a disk that may be at its reserve).
                 let current = tree.get(frame.key)?;
                 match frame.value {
-                    Some(value) => {
-                        // The index's entries are not logged: the replay
-                        // files them (see super::due).
-                        if frame.tree != Tree::Meta {
-                            due.cover(frame.tree, frame.key, value)?;
-                        }
-                        if current.as_deref() != Some(value) {
-                            tree.insert(frame.key, value)?;
-                        }
+                    Some(value) if current.as_deref() != Some(value) => {
+                        tree.insert(frame.key, value)?;
                     }
                     None if current.is_some() => {
                         tree.remove(frame.key)?;
                     }
-                    None => {}
+                    _ => {}
                 }
             }
             Ok(())
@@ -581,21 +522,12 @@ impl SledStore {
         };
         let next_token = floor.max(highest_token + 1);
         db.insert(FENCE_KEY, &(next_token + FENCE_BLOCK).to_le_bytes()[..])?;
-        // 1: written by every dedupd before the expiry index, at each open.
-        let older_ran = db.get(OPENED_KEY)?.is_some_and(|by| by[..] == [1]);
-        db.insert(OPENED_KEY, &[2u8][..])?;
+        db.insert("meta/opened", &[1u8][..])?;
 
-        // Data directories from before the sweep the reaper once used kept
-        // an index of another shape (every change filed): drop it.
+        // Stores written before the sweep kept an expiry index: drop it.
         if db.tree_names().iter().any(|name| &name[..] == b"expiry") {
             db.drop_tree("expiry")?;
         }
-        // Whether the last run closed with the index whole (its marker goes
-        // now, with the checkpoint below: a crash from here on leaves none).
-        // (Nor after a replay: a marker sled kept past writes it lost.)
-        let left_whole = DueIndex::was_left_whole(&db, older_ran || replayed.frames > 0)?
-            // A new data directory (or an emptied one) has nothing to file.
-            .or_else(|| (records.is_empty() && marks.is_empty()).then_some(0));
         // The checkpoint that makes the replay (and the open write proving
         // the disk writable) durable; only then may the log go.
         let blobs = BlobSyncer::new(config.path.join("blobs"));
@@ -638,12 +570,11 @@ impl SledStore {
             }
             SyncMode::None => (None, None),
         };
-        let store = SledStore {
+        Ok(SledStore {
             inner: Arc::new(Inner {
                 records,
                 marks,
-                due,
-                record_count: RecordCount::starting_at(left_whole),
+                sweep_cursors: Mutex::new([Vec::new(), Vec::new()]),
                 db,
                 log_file,
                 path: config.path.clone(),
@@ -661,94 +592,8 @@ impl SledStore {
                 space,
                 stall,
                 checkpoint_stall,
-                index_whole: AtomicBool::new(left_whole.is_some()),
-                closing: AtomicBool::new(false),
-                covering: Mutex::new(None),
             }),
-        };
-        if left_whole.is_none() {
-            store.cover_in_background()?;
-        }
-        Ok(store)
-    }
-
-    /// Files the index's missing entries on a thread of its own (see
-    /// super::due): the store serves meanwhile.
-    fn cover_in_background(&self) -> Result<(), Error> {
-        // Not the store itself, so dropping the store (without close)
-        // stops it: at its next entry it finds the store gone, and then
-        // lets go of sled's trees. Close stops it and waits (≤ 1 s).
-        let store = Arc::downgrade(&self.inner);
-        let (due, records, marks) = (
-            self.inner.due.clone(),
-            self.inner.records.clone(),
-            self.inner.marks.clone(),
-        );
-        let thread = thread::Builder::new()
-            .name("dedupd-index".into())
-            .spawn(move || {
-                let started = Instant::now();
-                tracing::info!(
-                    "filing the expiry index's missing entries in the background (after a \
-                     crash, or on a data directory an older dedupd wrote)"
-                );
-                // Its writes, one per record, are admitted as new records
-                // are (checked every thousand, from the first), so they
-                // never take the space the reaper frees with: refused, it
-                // waits where it is and asks again every second.
-                let filed = std::cell::Cell::new(0u64);
-                let warned = std::cell::Cell::new(false);
-                let stop = || {
-                    filed.set(filed.get() + 1);
-                    loop {
-                        let Some(inner) = store.upgrade() else {
-                            return true;
-                        };
-                        if inner.closing.load(SeqCst) || inner.failure.get().is_some() {
-                            return true;
-                        }
-                        if filed.get() % 1000 != 1 {
-                            return false;
-                        }
-                        match inner.space.admit(WriteKind::Put) {
-                            Ok(()) => return false,
-                            Err(error) if !warned.replace(true) => tracing::warn!(
-                                %error,
-                                "filing the expiry index waits for the disk (it asks again \
-                                 every second)"
-                            ),
-                            Err(_) => {}
-                        }
-                        drop(inner);
-                        thread::sleep(Duration::from_secs(1));
-                    }
-                };
-                let trees = [(Tree::Records, &records), (Tree::Marks, &marks)];
-                // The record count comes from the same scan.
-                let changes_then = store
-                    .upgrade()
-                    .map_or(0, |inner| inner.record_count.changes.load(SeqCst));
-                match due.cover_all(trees, stop) {
-                    Ok(Some([records, marks])) => {
-                        if let Some(inner) = store.upgrade() {
-                            inner.record_count.counted(records, changes_then);
-                            inner.index_whole.store(true, SeqCst);
-                        }
-                        let entries = records + marks;
-                        tracing::info!(
-                            entries,
-                            elapsed_ms = started.elapsed().as_millis() as u64,
-                            "the expiry index is whole"
-                        );
-                    }
-                    Ok(None) => {}
-                    Err(error) => {
-                        tracing::warn!(%error, "filing the expiry index stopped; the next start goes on")
-                    }
-                }
-            })?;
-        *self.inner.covering.lock().expect("covering lock") = Some(thread);
-        Ok(())
+        })
     }
 
     /// Bytes sled and the write-ahead log use on disk.
@@ -808,20 +653,13 @@ impl Conditional for SledStore {
         change: &Change,
         draw_token: bool,
     ) -> Result<Swapped<IVec>, Error> {
-        let believed_record = believed.map(|stored| &stored.record);
-        let (replacement, token, entry) = match change {
+        let (replacement, token) = match change {
             Change::Put(record) if draw_token => {
                 let token = self.issue_fencing()?;
-                let record = with_token(record, token);
-                let entry = record_entry(believed_record, &record);
-                (Some(encode_record(&record)), Some(token), entry)
+                (Some(encode_record(&with_token(record, token))), Some(token))
             }
-            Change::Put(record) => (
-                Some(encode_record(record)),
-                None,
-                record_entry(believed_record, record),
-            ),
-            Change::Delete => (None, None, None),
+            Change::Put(record) => (Some(encode_record(record)), None),
+            Change::Delete => (None, None),
             Change::Keep => {
                 return Ok(Swapped::Done {
                     token: None,
@@ -831,7 +669,7 @@ impl Conditional for SledStore {
         };
         let inner = &self.inner;
         let current = believed.map(|stored| &stored.version[..]);
-        match inner.swap(Tree::Records, &key.to_bytes(), current, replacement, entry)? {
+        match inner.swap(Tree::Records, &key.to_bytes(), current, replacement)? {
             // Nothing is remembered between calls here: reads are local.
             Ok(()) => Ok(Swapped::Done {
                 token,
@@ -876,15 +714,12 @@ impl Inner {
     /// Replaces `current` by `replacement` under `key` in `tree` with one
     /// compare-and-swap, logged; on a conflict, the value found instead
     /// (nothing written).
-    /// `entry`: the expiry index entry the change needs, if any (see
-    /// super::due for when it is filed).
     fn swap(
         &self,
         tree: Tree,
         key: &[u8],
         current: Option<&[u8]>,
         replacement: Option<Vec<u8>>,
-        entry: Option<UnixMillis>,
     ) -> Result<Result<(), Option<IVec>>, Error> {
         self.space.admit(if replacement.is_some() {
             WriteKind::Put
@@ -893,17 +728,9 @@ impl Inner {
         })?;
         let replacement = replacement.map(IVec::from);
         let mut log = self.lock_log()?;
-
         // Dropped before the log's lock: the committer, holding that lock,
         // finds every write finished.
         let write = WriteGuard::new(&self.counters);
-        // Without a log (`--sync none`) nothing else stops a write racing
-        // close: counted started first, so close, which sets `closing`
-        // and then waits for the writes started, sees this one.
-        if self.closing.load(SeqCst) {
-            write.cancel();
-            return Err(Error::Unavailable("the store is closed".into()));
-        }
         let swapped = self
             .tree(tree)
             .compare_and_swap(key, current, replacement.clone())
@@ -912,22 +739,6 @@ impl Inner {
             Ok(()) => {
                 if let Some(log) = &mut log {
                     log.append(tree, key, replacement.as_deref());
-                }
-                if tree == Tree::Records {
-                    self.record_count
-                        .changed(current.is_some(), replacement.is_some());
-                }
-                // Before the write counts as finished (see super::due).
-                // The change is made:
-                // a failure here must not answer as if it were not, and
-                // leaves the index short, so the store stops (the restart
-                // files what is missing).
-                if let Some(at) = entry {
-                    self.due.file(at, tree, key).map_err(|error| {
-                        Error::Unavailable(self.failure.fail(format!(
-                            "the expiry index could not be written ({error}); restart dedupd"
-                        )))
-                    })?;
                 }
                 drop(write);
                 Ok(Ok(()))
@@ -963,74 +774,61 @@ impl Inner {
             .sum()
     }
 
-    /// Reads the expiry index from its start up to `now` (what is due,
-    /// nothing else), at most `budget` entries: each entry's record is
-    /// removed if it expired, filed again at its `retain_until` if not (a
-    /// claim since committed), and the entry dropped.
+    /// Sweeps on from where the last pass stopped, removing what expired by
+    /// `now`: at most `budget` removals, and `budget × SWEEP_PER_REMOVAL`
+    /// entries looked at, over both trees.
     fn reap(&self, now: UnixMillis, budget: usize) -> Result<ReapReport, Error> {
-        let busy = self.enter()?;
-        if self.closing.load(SeqCst) {
-            return Err(Error::Unavailable("the store is closed".into()));
-        }
-        // Its writes (removals, entries dropped and filed again) free
-        // space: allowed, as removals are, down to half the reserve.
-        self.space.admit(WriteKind::Delete)?;
+        let _busy = self.enter()?;
         let mut report = ReapReport::default();
-        for entry in self.due.due(now) {
-            busy.renew();
-            if report.examined >= budget || self.closing.load(SeqCst) {
+        let limit = budget.saturating_mul(SWEEP_PER_REMOVAL);
+        let trees: [(Tree, RetainUntilOf); 2] = [
+            (Tree::Records, record_retain_until),
+            (Tree::Marks, |bytes| Ok(decode_mark(bytes)?.retain_until)),
+        ];
+        for (index, (tag, retain_until_of)) in trees.into_iter().enumerate() {
+            let tree = self.tree(tag);
+            let from = self.sweep_cursors.lock().expect("sweep lock")[index].clone();
+            let range = if from.is_empty() {
+                tree.range::<&[u8], _>(..)
+            } else {
+                tree.range::<&[u8], _>((
+                    std::ops::Bound::Excluded(&from[..]),
+                    std::ops::Bound::Unbounded,
+                ))
+            };
+            let mut stopped_at = None;
+            for entry in range {
+                _busy.renew();
+                if report.examined >= limit || report.removed >= budget {
+                    break;
+                }
+                let (key, value) = entry?;
+                report.examined += 1;
+                let expired = match retain_until_of(&value) {
+                    Ok(retain_until) => retain_until <= now,
+                    Err(error) => {
+                        tracing::warn!(%error, "the reaper skips an unreadable entry");
+                        false
+                    }
+                };
+                // A swap, not a remove: a claim may have replaced the record
+                // since we read it, and then the new record must stay.
+                if expired && self.swap(tag, &key, Some(&value), None)?.is_ok() {
+                    report.removed += 1;
+                }
+                stopped_at = Some(key);
+            }
+            let done = report.examined < limit && report.removed < budget;
+            self.sweep_cursors.lock().expect("sweep lock")[index] = match (done, stopped_at) {
+                // Reached the end of the tree: start over next time.
+                (true, _) | (false, None) => Vec::new(),
+                (false, Some(key)) => key.to_vec(),
+            };
+            if !done {
                 break;
             }
-            let (raw, entry) = entry?;
-            report.examined += 1;
-            match entry {
-                Some(entry) => self.settle(&entry.key, entry.tree, now, &mut report)?,
-                None => tracing::warn!(?raw, "the reaper drops an expiry entry it cannot read"),
-            }
-            self.due
-                .drop_entry(&raw)
-                .map_err(|error| self.failure.write_failed(error))?;
         }
         Ok(report)
-    }
-
-    /// Removes `key` of `tree` if it expired by `now`, else files it in the
-    /// index at its `retain_until`.
-    fn settle(
-        &self,
-        key: &[u8],
-        tree: Tree,
-        now: UnixMillis,
-        report: &mut ReapReport,
-    ) -> Result<(), Error> {
-        let mut current = self.tree(tree).get(key)?;
-        while let Some(value) = current {
-            let retain_until = match retain_until_of(tree, &value) {
-                Some(Ok(retain_until)) => retain_until,
-                Some(Err(error)) => {
-                    tracing::warn!(%error, "the reaper skips an unreadable entry");
-                    return Ok(());
-                }
-                None => return Ok(()),
-            };
-            if retain_until > now {
-                // Filed before the caller drops the entry that led here.
-                return self
-                    .due
-                    .file(retain_until, tree, key)
-                    .map_err(|error| self.failure.write_failed(error));
-            }
-            // A swap, not a remove: a claim may have replaced the record
-            // since we read it, and then the new record must stay.
-            match self.swap(tree, key, Some(&value), None, None)? {
-                Ok(()) => {
-                    report.removed += 1;
-                    return Ok(());
-                }
-                Err(found) => current = found,
-            }
-        }
-        Ok(())
     }
 
     /// Starts a sled call: refused once the store has failed (sled may
@@ -1095,15 +893,8 @@ impl Store for SledStore {
             let Some(replacement) = apply(current) else {
                 return Ok(());
             };
-            let entry = mark_entry(current, replacement);
             let replacement = Some(encode_mark(replacement).to_vec());
-            match inner.swap(
-                Tree::Marks,
-                &key,
-                current_bytes.as_deref(),
-                replacement,
-                entry,
-            )? {
+            match inner.swap(Tree::Marks, &key, current_bytes.as_deref(), replacement)? {
                 Ok(()) => return Ok(()),
                 Err(found) => current_bytes = found,
             }
@@ -1190,7 +981,7 @@ impl Store for SledStore {
         }
         let inner = Arc::clone(&self.inner);
         let stats = tokio::task::spawn_blocking(move || StoreStats {
-            records: inner.record_count.get(),
+            records: Some(inner.records.len() as u64),
             disk_bytes: inner
                 .db
                 .size_on_disk()
@@ -1220,35 +1011,6 @@ impl Store for SledStore {
                 committer.shut_down();
             }
             inner.failure.check()?;
-            // Every change's entry is filed once the writes started have
-            // finished (a write checks `closing` once counted): the index
-            // is whole unless it was not at open and its background filing
-            // has not finished.
-            inner.closing.store(true, SeqCst);
-            // Waited for briefly (the server gives close a few seconds): a
-            // filing not finished, or a write still in flight, only means
-            // no marker, and a scan at the next start.
-            let covering = inner.covering.lock().expect("covering lock").take();
-            let deadline = Instant::now() + Duration::from_secs(1);
-            let in_flight = || {
-                inner.counters.started.load(SeqCst) > inner.counters.finished.load(SeqCst)
-                    || covering
-                        .as_ref()
-                        .is_some_and(|thread| !thread.is_finished())
-            };
-            while in_flight() && Instant::now() < deadline {
-                thread::sleep(Duration::from_millis(1));
-            }
-            // A failure meanwhile (a write's entry not filed) leaves no
-            // marker, and sled alone.
-            inner.failure.check()?;
-            if let (false, true, Some(records)) = (
-                in_flight(),
-                inner.index_whole.load(SeqCst),
-                inner.record_count.get(),
-            ) {
-                DueIndex::mark_whole(&inner.db, records)?;
-            }
             // The sync watch has ended: health (the watchdog) sees this one.
             inner.stall.sync_starting();
             let synced = inner.final_checkpoint();
@@ -1805,32 +1567,6 @@ mod tests {
         }
     }
 
-    /// A store in `dir` with `claims` keys claimed (`old-0`…) at `clock`.
-    async fn store_claiming(dir: &Path, clock: &ManualClock, claims: usize) -> SledStore {
-        let store = store(dir);
-        let engine = Engine::new(Arc::new(store.clone()), Arc::new(clock.clone()));
-        for i in 0..claims {
-            engine
-                .claim(&claim_request(&format!("old-{i}")))
-                .await
-                .unwrap();
-        }
-        store
-    }
-
-    /// Waits (at most 10 s) for the background filing to make the index
-    /// whole.
-    async fn until_index_whole(store: &SledStore) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !store.inner.index_whole.load(SeqCst) {
-            assert!(
-                Instant::now() < deadline,
-                "the background filing never ended"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-
     fn claim_request(id: &str) -> ClaimRequest {
         ClaimRequest::plain(
             crate::api::Limits::default().key("reap", id).unwrap(),
@@ -1839,7 +1575,7 @@ mod tests {
         )
     }
 
-    /// The reaper runs without pause while one key is claimed and
+    /// The reaper sweeps without pause while one key is claimed and
     /// committed over and over, each time after the last record expired: a
     /// claim that replaced the expired record the reaper read must survive
     /// its removal (a compare-and-swap, not a remove), so every commit with
@@ -1863,9 +1599,8 @@ mod tests {
         };
         let mut last_fencing = 0;
         for round in 0..500 {
-            // The previous commit (1 ms retention) has expired, and its
-            // claim's expiry entry (rounded up to the second) is due.
-            clock.advance(Duration::from_secs(1));
+            // The previous commit (1 ms retention) has expired.
+            clock.advance(Duration::from_millis(10));
             let request = claim_request("contended");
             let ClaimOutcome::Claimed { record, .. } = engine.claim(&request).await.unwrap() else {
                 panic!("round {round}: the expired key was not claimable");
@@ -1888,265 +1623,38 @@ mod tests {
         assert!(removed > 0, "the reaper raced for real");
     }
 
-    /// A pass reads the index up to now and nothing past it: records not
-    /// yet due are never read, a claim since committed is filed again at
-    /// its retention's end (read once more, then), and each pass is
-    /// bounded by its budget.
+    /// A pass looks at a bounded number of entries and the next one goes on
+    /// from there; every expired record goes within one sweep, live ones
+    /// stay.
     #[tokio::test]
-    async fn a_reaper_pass_reads_only_what_is_due() {
+    async fn the_sweep_is_bounded_per_pass_and_covers_the_tree() {
         let dir = tempfile::tempdir().unwrap();
         let store = store(dir.path());
         let clock = ManualClock::new(UnixMillis(1_000_000));
         let engine = Engine::new(Arc::new(store.clone()), Arc::new(clock.clone()));
-        for i in 0..900 {
-            let mut request = claim_request(&format!("later-{i:03}"));
-            request.retention = Duration::from_secs(3600);
+        for i in 0..1000 {
+            let mut request = claim_request(&format!("evt-{i:04}"));
+            if i % 10 == 0 {
+                request.retention = Duration::from_secs(3600); // stays
+            }
             engine.claim(&request).await.unwrap();
         }
-        for i in 0..100 {
-            let request = claim_request(&format!("soon-{i:03}"));
-            let ClaimOutcome::Claimed { record, .. } = engine.claim(&request).await.unwrap() else {
-                panic!("a fresh key is claimable");
-            };
-            if i % 2 == 0 {
-                engine
-                    .commit(&CommitRequest {
-                        key: request.key.clone(),
-                        lease_token: record.lease_token,
-                        response: Vec::new(),
-                        retention: Some(Duration::from_secs(1800)),
-                    })
-                    .await
-                    .unwrap();
-            }
+        clock.advance(Duration::from_secs(60));
+        let first = store.reap(clock.now(), 1).await.unwrap();
+        assert_eq!(first.removed, 1);
+        assert!(first.examined <= SWEEP_PER_REMOVAL, "{first:?}");
+        let mut passes = 1;
+        while store.record_count() > 100 {
+            store.reap(clock.now(), 10).await.unwrap();
+            passes += 1;
+            assert!(passes < 200, "the sweep did not cover the tree");
         }
-        clock.advance(Duration::from_secs(60));
-        let bounded = store.reap(clock.now(), 10).await.unwrap();
-        assert_eq!(bounded.examined, 10, "{bounded:?}");
-        let rest = store.reap(clock.now(), 10_000).await.unwrap();
-        assert_eq!(
-            (
-                bounded.examined + rest.examined,
-                bounded.removed + rest.removed
-            ),
-            (100, 50),
-            "the 100 due: 50 expired claims removed, 50 commits filed again"
-        );
-        assert_eq!(store.record_count(), 950);
-        // The count metrics read, kept from the writes since its one scan.
-        let kept_count = || store.inner.record_count.get();
-        assert_eq!(kept_count(), Some(950));
-        assert_eq!(
-            store.reap(clock.now(), 10_000).await.unwrap(),
-            ReapReport::default()
-        );
-
-        clock.advance(Duration::from_secs(1800));
-        let commits = store.reap(clock.now(), 10_000).await.unwrap();
-        assert_eq!((commits.examined, commits.removed), (50, 50), "{commits:?}");
-        clock.advance(Duration::from_secs(3600));
-        let later = store.reap(clock.now(), 10_000).await.unwrap();
-        assert_eq!((later.examined, later.removed), (900, 900), "{later:?}");
-        assert_eq!((store.record_count(), store.inner.due.len()), (0, 0));
-        assert_eq!(kept_count(), Some(0));
+        assert_eq!(store.record_count(), 100, "live records stay");
+        assert_eq!(store.reap(clock.now(), 10).await.unwrap().removed, 0);
     }
 
-    /// A commit is covered by its claim's entry, at most one lease late; a
-    /// commit that shortens the retention files its own entry and is reaped
-    /// on time.
-    #[tokio::test]
-    async fn a_commit_is_reaped_within_a_lease_of_its_end() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = store(dir.path());
-        let clock = ManualClock::new(UnixMillis(1_000_000));
-        let engine = Engine::new(Arc::new(store.clone()), Arc::new(clock.clone()));
-        let commit = |id: &'static str, retention: Option<Duration>| {
-            let engine = engine.clone();
-            async move {
-                let mut request = claim_request(id);
-                request.lease_ttl = Duration::from_secs(60);
-                request.retention = Duration::from_secs(600);
-                let ClaimOutcome::Claimed { record, .. } = engine.claim(&request).await.unwrap()
-                else {
-                    panic!("a fresh key is claimable");
-                };
-                engine
-                    .commit(&CommitRequest {
-                        key: request.key.clone(),
-                        lease_token: record.lease_token,
-                        response: Vec::new(),
-                        retention,
-                    })
-                    .await
-                    .unwrap();
-            }
-        };
-        commit("same", None).await;
-        commit("shorter", Some(Duration::from_secs(10))).await;
-        clock.advance(Duration::from_secs(11));
-        let shorter = store.reap(clock.now(), 100).await.unwrap();
-        assert_eq!((shorter.examined, shorter.removed), (1, 1), "on time");
-        clock.advance(Duration::from_secs(600));
-        assert_eq!(store.reap(clock.now(), 100).await.unwrap().removed, 0);
-        clock.advance(Duration::from_secs(60));
-        let same = store.reap(clock.now(), 100).await.unwrap();
-        assert_eq!(
-            (same.examined, same.removed),
-            (2, 1),
-            "a lease late, in one read; the shorter one's claim entry dropped"
-        );
-        assert_eq!(store.record_count(), 0);
-    }
-
-    /// Opened without the marker a clean close leaves (after a crash, or on
-    /// a data directory an older dedupd wrote), the store files the missing
-    /// entries in the background while it serves, and what expired is
-    /// reaped; a clean close then leaves the marker again.
-    #[tokio::test]
-    async fn an_index_left_short_is_filed_in_the_background() {
-        let dir = tempfile::tempdir().unwrap();
-        let clock = ManualClock::new(UnixMillis(1_000_000));
-        {
-            let store = store_claiming(dir.path(), &clock, 20).await;
-            // As a crash between sled writing the records out and their
-            // entries, or an older dedupd, leaves it: records, no entries,
-            // no marker (dropped, not closed).
-            store.inner.due.clear();
-            store.inner.final_checkpoint().unwrap();
-        }
-        let store = reopen(dir.path()).await;
-        until_index_whole(&store).await;
-        assert_eq!(store.inner.due.len(), 20);
-        clock.advance(Duration::from_secs(60));
-        let report = store.reap(clock.now(), 1000).await.unwrap();
-        assert_eq!((report.examined, report.removed), (20, 20));
-        assert_eq!(store.record_count(), 0);
-        store.close().await.unwrap();
-        drop(store);
-        let store = reopen(dir.path()).await;
-        assert!(
-            store.inner.index_whole.load(SeqCst),
-            "a clean close marks it whole"
-        );
-    }
-
-    /// With `--sync none` no log's lock stops a write after close begins:
-    /// close refuses writes itself (so none can follow the marker).
-    #[tokio::test]
-    async fn without_a_log_close_refuses_writes() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = SledStore::open(&SledConfig {
-            sync: SyncMode::None,
-            cache_capacity_bytes: 4 << 20,
-            ..SledConfig::new(dir.path())
-        })
-        .unwrap();
-        let engine = Engine::new(
-            Arc::new(store.clone()),
-            Arc::new(ManualClock::new(UnixMillis(1_000_000))),
-        );
-        engine.claim(&claim_request("before")).await.unwrap();
-        store.close().await.unwrap();
-        let refused = engine.claim(&claim_request("after")).await.unwrap_err();
-        assert!(matches!(refused, Error::Unavailable(_)), "{refused:?}");
-    }
-
-    /// Filing a committed record again (the replay, the background filing
-    /// after a crash) finds its claim's entry: no second one.
-    #[tokio::test]
-    async fn a_committed_record_is_not_filed_twice() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = store(dir.path());
-        let engine = Engine::new(
-            Arc::new(store.clone()),
-            Arc::new(ManualClock::new(UnixMillis(1_000_000))),
-        );
-        let mut request = claim_request("once");
-        request.lease_ttl = Duration::from_secs(30);
-        let ClaimOutcome::Claimed { record, .. } = engine.claim(&request).await.unwrap() else {
-            panic!("a fresh key is claimable");
-        };
-        engine
-            .commit(&CommitRequest {
-                key: request.key.clone(),
-                lease_token: record.lease_token,
-                response: Vec::new(),
-                retention: None,
-            })
-            .await
-            .unwrap();
-        let key = request.key.to_bytes();
-        let value = store.inner.records.get(&key).unwrap().unwrap();
-        assert_eq!(store.inner.due.len(), 1);
-        store.inner.due.cover(Tree::Records, &key, &value).unwrap();
-        assert_eq!(store.inner.due.len(), 1, "the claim's entry covers it");
-    }
-
-    /// An older dedupd that opened the directory since the last clean close
-    /// filed no entries for what it wrote: the marker is not trusted, and
-    /// the missing entries are filed in the background.
-    #[tokio::test]
-    async fn an_older_dedupd_since_the_last_close_is_noticed() {
-        let dir = tempfile::tempdir().unwrap();
-        let clock = ManualClock::new(UnixMillis(1_000_000));
-        {
-            let store = store_claiming(dir.path(), &clock, 5).await;
-            // Records without entries (as an older dedupd writes them), a
-            // clean close's marker, then the older dedupd's mark at open.
-            store.inner.due.clear();
-            store.close().await.unwrap();
-            store.inner.db.insert(OPENED_KEY, &[1u8][..]).unwrap();
-            store.inner.db.flush().unwrap();
-        }
-        let store = reopen(dir.path()).await;
-        until_index_whole(&store).await;
-        assert_eq!(store.inner.due.len(), 5);
-        assert_eq!(store.inner.record_count.get(), Some(5));
-    }
-
-    /// The index is not logged: a record the replay restores (sled lost it
-    /// in the crash) is filed by the replay, and reaped when it expires.
-    #[tokio::test]
-    async fn a_record_the_replay_restores_is_reaped() {
-        let dir = tempfile::tempdir().unwrap();
-        let clock = ManualClock::new(UnixMillis(1_000_000));
-        let record = {
-            let store = store(dir.path());
-            let engine = Engine::new(Arc::new(store.clone()), Arc::new(clock.clone()));
-            let ClaimOutcome::Claimed { record, .. } =
-                engine.claim(&claim_request("template")).await.unwrap()
-            else {
-                panic!("a fresh key is claimable");
-            };
-            store.close().await.unwrap();
-            record
-        };
-        let restored = claim_request("restored").key;
-        let mut frames = Vec::new();
-        wal::encode_frame(
-            &mut frames,
-            1,
-            Tree::Records,
-            &restored.to_bytes(),
-            Some(&encode_record(&record)),
-        );
-        let mut writer = wal::Writer::create(&dir.path().join(wal::WAL_DIR), 1, 1).unwrap();
-        writer.write(&frames).unwrap();
-        writer.sync().unwrap();
-        drop(writer);
-
-        let store = reopen(dir.path()).await;
-        assert!(store.get(&restored).await.unwrap().is_some());
-        clock.advance(Duration::from_secs(60));
-        let report = store.reap(clock.now(), 1000).await.unwrap();
-        assert_eq!(report.removed, 2, "the template and the restored record");
-        assert!(store.get(&restored).await.unwrap().is_none());
-        assert_eq!(store.record_count(), 0);
-    }
-
-    /// A data directory from before the sweep had an index of another
-    /// shape (tree `expiry`): it is dropped at open, and its records are
-    /// still there.
+    /// A data directory from before the sweep had an expiry index: it is
+    /// dropped at open, and its records are still there.
     #[tokio::test]
     async fn the_old_expiry_index_is_dropped_at_open() {
         let dir = tempfile::tempdir().unwrap();

@@ -92,8 +92,8 @@ pub(super) fn busy() -> Busy {
 }
 
 impl Busy {
-    /// Starts the clock again: a loop of many short sled calls (a reaper
-    /// pass) is judged call by call, not as one long call.
+    /// Starts the clock again: a loop of many short sled calls (the reaper's
+    /// sweep) is judged call by call, not as one long call.
     pub(super) fn renew(&self) {
         if self.outermost {
             SLOT.with(|slot| slot.0.store(now_ms(), SeqCst));
