@@ -183,6 +183,14 @@ pub struct GuardConfig {
 pub const DEFAULT_READ_BUDGET_BYTES: usize = 64 << 20;
 
 impl GuardConfig {
+    /// The request bytes held at once, as enforced: the configured budget
+    /// raised to one largest message (and its 5-byte frame header).
+    pub fn read_budget_in_force(&self, max_message_bytes: usize) -> usize {
+        self.read_budget_bytes
+            .max(max_message_bytes.saturating_add(5))
+            .min(Semaphore::MAX_PERMITS)
+    }
+
     fn authenticate(&self) -> Authenticate {
         Authenticate {
             tokens: self.tokens.clone(),
@@ -242,10 +250,7 @@ where
 {
     let limit = config.max_concurrent_requests;
     let timeout = config.request_timeout;
-    let read_budget_bytes = config
-        .read_budget_bytes
-        .max(max_message_bytes.saturating_add(5))
-        .min(Semaphore::MAX_PERMITS);
+    let read_budget_bytes = config.read_budget_in_force(max_message_bytes);
     let read_budget = Arc::new(Semaphore::new(read_budget_bytes));
     let stack = ServiceBuilder::new()
         .layer_fn(|inner| RpcTimer {

@@ -205,13 +205,15 @@ fn serve(args: &ServeArgs) -> ExitCode {
         StoreSettings::Sled(config) => config.cache_capacity_bytes,
         StoreSettings::Shared { local_tier, .. } => local_tier
             .as_ref()
-            .map_or(0, |tier| tier.cache_bytes.min(tier.max_bytes).max(1 << 20)),
+            .map_or(0, LocalTierConfig::cache_capacity),
     };
     tracing::info!(
         budget = %dedupd::memory_budget::show(settings.memory.bytes),
         from = ?settings.memory.source,
         store_cache = %dedupd::memory_budget::show(cache_bytes),
-        request_bytes = %dedupd::memory_budget::show(server.guard.read_budget_bytes as u64),
+        request_bytes = %dedupd::memory_budget::show(
+            server.guard.read_budget_in_force(server.max_message_bytes) as u64
+        ),
         "memory budget"
     );
     if let Some(traces) = &settings.traces {

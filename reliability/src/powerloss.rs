@@ -107,9 +107,9 @@ pub struct PowerLoss {
     pub checks: u64,
     /// The longest restart (open, replay, checkpoint) after a cut.
     pub slowest_restart: Duration,
-    /// Times LazyFS died by itself during a random cut's load (a fault of
-    /// its own, seen once in CI: "Resource deadlock avoided" in its
-    /// truncate path); each is a cut at the moment it died.
+    /// Times LazyFS died by itself during a random cut's load, restart or
+    /// check (a fault of its own, seen once in CI: "Resource deadlock
+    /// avoided" after truncates); each is a cut at the moment it died.
     pub lazyfs_crashes: usize,
     /// What is wrong.
     pub failures: Vec<String>,

@@ -58,6 +58,14 @@ pub struct LocalTierConfig {
     pub max_age: Duration,
 }
 
+impl LocalTierConfig {
+    /// The page cache sled is given: `cache_bytes`, at most `max_bytes`,
+    /// at least 1 MiB.
+    pub fn cache_capacity(&self) -> u64 {
+        self.cache_bytes.min(self.max_bytes).max(1 << 20)
+    }
+}
+
 /// A shared store with this sidecar's local tier in front.
 pub struct Tiered<S> {
     shared: Arc<S>,
@@ -306,7 +314,7 @@ impl LocalTier {
         }
         let db = sled::Config::new()
             .path(&config.path)
-            .cache_capacity(config.cache_bytes.min(config.max_bytes).max(1 << 20))
+            .cache_capacity(config.cache_capacity())
             .mode(sled::Mode::HighThroughput)
             // A cache: nothing of it needs to reach the disk in time, nor
             // at all — temporary, sled neither syncs its writes (our copy
