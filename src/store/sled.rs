@@ -14,7 +14,9 @@
 //! number of entries per pass, reading each one's expiry from its prefix and
 //! removing it by compare-and-swap (so a claim that replaced it meanwhile
 //! wins). An index would cost two more tree writes per change, all at its
-//! right edge. Expired records read as absent whether swept or not.
+//! right edge. Expired records read as absent whether swept or not. The
+//! sweep also counts the records (see [`RecordCount`]): a scrape of
+//! `/metrics` reads a number, never the tree.
 //!
 //! Durability (`sync = always`) lives in dedupd's own write-ahead log
 //! ([`super::wal`]), not in sled: waiting for sled's `flush()` costs a
@@ -46,7 +48,7 @@ use std::{
     fs::File,
     path::{Path, PathBuf},
     sync::{
-        atomic::{AtomicBool, AtomicU64, Ordering::SeqCst},
+        atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering::SeqCst},
         mpsc, Arc, Mutex, OnceLock,
     },
     thread,
@@ -164,8 +166,10 @@ struct Inner {
     db: sled::Db,
     records: sled::Tree,
     marks: sled::Tree,
-    /// Where the reaper's sweep of each tree goes on from (empty: the start).
-    sweep_cursors: Mutex<[Vec<u8>; 2]>,
+    /// Where the reaper's sweep goes on from, and what it counted so far.
+    sweep: Mutex<Sweep>,
+    /// How many records there are, without a scan per scrape.
+    record_count: RecordCount,
     /// sled's log file, synced by checkpoints.
     log_file: Arc<File>,
     path: PathBuf,
@@ -178,11 +182,62 @@ struct Inner {
     /// Also holds the callers waiting for the committer's next sync.
     failure: Arc<Failure>,
     committer: Mutex<Option<Committer>>,
-    stats: Mutex<Option<(std::time::Instant, StoreStats)>>,
+    /// The last figure of the files' size, and when it was taken.
+    disk_bytes: Mutex<Option<(std::time::Instant, Option<u64>)>>,
     space: Arc<DiskSpace>,
     stall: Arc<StallWatch>,
     /// The checkpoint thread's syncs (one sync at a time per watch).
     checkpoint_stall: Arc<StallWatch>,
+}
+
+/// The reaper's sweep between passes.
+#[derive(Debug, Default)]
+struct Sweep {
+    /// Where the sweep of each tree goes on from (empty: the start).
+    cursors: [Vec<u8>; 2],
+    /// Records looked at since the sweep of `records` last started over,
+    /// and `RecordCount::changes` then (`None` until a sweep starts at the
+    /// beginning of the tree, so that a count covers the whole of it).
+    counting: Option<(u64, i64)>,
+}
+
+/// The number of records, kept without reading them: the reaper's sweep
+/// passes over every record anyway, so each sweep of the `records` tree
+/// from its start to its end counts them, and the compare-and-swaps that
+/// create and remove records move the figure from the sweep's start on.
+/// (sled's `len()` walks the whole tree: a scrape every 30 s pulled a
+/// million records' pages through the cache.) A gauge, not an exact
+/// figure: a record created during a sweep at a key the sweep had not yet
+/// reached is counted twice, and one removed there taken off twice (the
+/// sweep sees the first, misses the second, and the change counts too),
+/// until the next sweep counts again. Keys that grow (time-ordered IDs)
+/// are all created ahead of the cursor: the figure is then high by the
+/// records created during one sweep (one or two reaper passes).
+#[derive(Debug, Default)]
+struct RecordCount {
+    /// The last whole sweep's count and `changes` when it started (`None`
+    /// until a sweep has gone through the tree since open).
+    counted: Mutex<Option<(u64, i64)>>,
+    /// Records created minus records removed, since open.
+    changes: AtomicI64,
+}
+
+impl RecordCount {
+    /// A change of one record: it existed before (or not), exists now (or
+    /// not).
+    fn changed(&self, existed: bool, exists: bool) {
+        let delta = i64::from(exists) - i64::from(existed);
+        if delta != 0 {
+            self.changes.fetch_add(delta, SeqCst);
+        }
+    }
+
+    /// `None` until a sweep has counted.
+    fn get(&self) -> Option<u64> {
+        let (counted, changes_then) = (*self.counted.lock().expect("count lock"))?;
+        let since = self.changes.load(SeqCst) - changes_then;
+        Some(counted.saturating_add_signed(since))
+    }
 }
 
 /// The fencing token source (see the module docs).
@@ -250,7 +305,7 @@ impl Failure {
     }
 }
 
-/// Counting records walks the whole tree: do it at most this often.
+/// Sizing the files walks the directory: do it at most this often.
 const STATS_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The committer thread and the threads it started.
@@ -574,7 +629,8 @@ impl SledStore {
             inner: Arc::new(Inner {
                 records,
                 marks,
-                sweep_cursors: Mutex::new([Vec::new(), Vec::new()]),
+                sweep: Mutex::default(),
+                record_count: RecordCount::default(),
                 db,
                 log_file,
                 path: config.path.clone(),
@@ -588,7 +644,7 @@ impl SledStore {
                 counters,
                 failure,
                 committer: Mutex::new(committer),
-                stats: Mutex::new(None),
+                disk_bytes: Mutex::new(None),
                 space,
                 stall,
                 checkpoint_stall,
@@ -601,7 +657,14 @@ impl SledStore {
         Ok(self.inner.db.size_on_disk()? + self.inner.log_bytes())
     }
 
-    /// Number of records stored, expired ones not yet reaped included.
+    /// Whether the reaper's sweep of the records is between its start and
+    /// its end (for tests: a whole sweep counts the records).
+    pub fn sweep_under_way(&self) -> bool {
+        !self.inner.sweep.lock().expect("sweep lock").cursors[0].is_empty()
+    }
+
+    /// Number of records stored, expired ones not yet reaped included
+    /// (counted by walking the tree: for tests).
     pub fn record_count(&self) -> usize {
         self.inner.records.len()
     }
@@ -740,6 +803,10 @@ impl Inner {
                 if let Some(log) = &mut log {
                     log.append(tree, key, replacement.as_deref());
                 }
+                if tree == Tree::Records {
+                    self.record_count
+                        .changed(current.is_some(), replacement.is_some());
+                }
                 drop(write);
                 Ok(Ok(()))
             }
@@ -778,7 +845,26 @@ impl Inner {
     /// `now`: at most `budget` removals, and `budget × SWEEP_PER_REMOVAL`
     /// entries looked at, over both trees.
     fn reap(&self, now: UnixMillis, budget: usize) -> Result<ReapReport, Error> {
-        let _busy = self.enter()?;
+        let busy = self.enter()?;
+        // Held for the pass: one pass at a time goes on from the cursors.
+        let mut sweep = self.sweep.lock().expect("sweep lock");
+        let swept = self.sweep_on(&mut sweep, &busy, now, budget);
+        if swept.is_err() {
+            // Records it looked at are not in the count, its removals are
+            // in the changes: this sweep's count is off, the next counts.
+            sweep.counting = None;
+        }
+        swept
+    }
+
+    /// One pass of [`Inner::reap`], going on from `sweep`.
+    fn sweep_on(
+        &self,
+        sweep: &mut Sweep,
+        busy: &Busy,
+        now: UnixMillis,
+        budget: usize,
+    ) -> Result<ReapReport, Error> {
         let mut report = ReapReport::default();
         let limit = budget.saturating_mul(SWEEP_PER_REMOVAL);
         let trees: [(Tree, RetainUntilOf); 2] = [
@@ -787,7 +873,13 @@ impl Inner {
         ];
         for (index, (tag, retain_until_of)) in trees.into_iter().enumerate() {
             let tree = self.tree(tag);
-            let from = self.sweep_cursors.lock().expect("sweep lock")[index].clone();
+            if tag == Tree::Records && sweep.cursors[index].is_empty() {
+                // From the start: a new count (the changes from now on are
+                // the sweep's to see, or counted after it).
+                sweep.counting = Some((0, self.record_count.changes.load(SeqCst)));
+            }
+            let from = sweep.cursors[index].clone();
+            let mut looked_at = 0u64;
             let range = if from.is_empty() {
                 tree.range::<&[u8], _>(..)
             } else {
@@ -798,12 +890,13 @@ impl Inner {
             };
             let mut stopped_at = None;
             for entry in range {
-                _busy.renew();
+                busy.renew();
                 if report.examined >= limit || report.removed >= budget {
                     break;
                 }
                 let (key, value) = entry?;
                 report.examined += 1;
+                looked_at += 1;
                 let expired = match retain_until_of(&value) {
                     Ok(retain_until) => retain_until <= now,
                     Err(error) => {
@@ -819,7 +912,19 @@ impl Inner {
                 stopped_at = Some(key);
             }
             let done = report.examined < limit && report.removed < budget;
-            self.sweep_cursors.lock().expect("sweep lock")[index] = match (done, stopped_at) {
+            if tag == Tree::Records {
+                // Removed ones counted too: their removal is a change
+                // since the count started, which takes them off again.
+                if let Some((seen, _)) = &mut sweep.counting {
+                    *seen += looked_at;
+                }
+                if done {
+                    if let Some(count) = sweep.counting.take() {
+                        *self.record_count.counted.lock().expect("count lock") = Some(count);
+                    }
+                }
+            }
+            sweep.cursors[index] = match (done, stopped_at) {
                 // Reached the end of the tree: start over next time.
                 (true, _) | (false, None) => Vec::new(),
                 (false, Some(key)) => key.to_vec(),
@@ -970,29 +1075,37 @@ impl Store for SledStore {
     }
 
     async fn stats(&self) -> StoreStats {
-        if let Some((at, stats)) = *self.inner.stats.lock().expect("stats lock") {
-            if at.elapsed() < STATS_MAX_AGE {
-                return stats;
-            }
-        }
         if self.inner.failure.get().is_some() {
             // sled is left alone once failed (it may block a call).
             return StoreStats::default();
         }
+        let records = self.inner.record_count.get();
+        if let Some((at, disk_bytes)) = *self.inner.disk_bytes.lock().expect("stats lock") {
+            if at.elapsed() < STATS_MAX_AGE {
+                return StoreStats {
+                    records,
+                    disk_bytes,
+                    local_tier_on: None,
+                };
+            }
+        }
         let inner = Arc::clone(&self.inner);
-        let stats = tokio::task::spawn_blocking(move || StoreStats {
-            records: Some(inner.records.len() as u64),
-            disk_bytes: inner
+        let disk_bytes = tokio::task::spawn_blocking(move || {
+            inner
                 .db
                 .size_on_disk()
                 .ok()
-                .map(|sled| sled + inner.log_bytes()),
-            local_tier_on: None,
+                .map(|sled| sled + inner.log_bytes())
         })
         .await
         .unwrap_or_default();
-        *self.inner.stats.lock().expect("stats lock") = Some((std::time::Instant::now(), stats));
-        stats
+        *self.inner.disk_bytes.lock().expect("stats lock") =
+            Some((std::time::Instant::now(), disk_bytes));
+        StoreStats {
+            records,
+            disk_bytes,
+            local_tier_on: None,
+        }
     }
 
     async fn close(&self) -> Result<(), Error> {
@@ -1651,6 +1764,119 @@ mod tests {
         }
         assert_eq!(store.record_count(), 100, "live records stay");
         assert_eq!(store.reap(clock.now(), 10).await.unwrap().removed, 0);
+    }
+
+    /// The record count comes from the sweep and the writes, not from a
+    /// scan: unknown until a sweep has gone through the tree, then exact
+    /// as records are created, released and reaped, and counted again by
+    /// each sweep (a count sled's own `len()` agrees with).
+    #[tokio::test]
+    async fn the_sweep_counts_the_records_and_writes_keep_the_count() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(dir.path());
+        let clock = ManualClock::new(UnixMillis(1_000_000));
+        let engine = Engine::new(Arc::new(store.clone()), Arc::new(clock.clone()));
+        let claim = |i: usize, hours: u64| {
+            let mut request = claim_request(&format!("evt-{i:04}"));
+            request.retention = Duration::from_secs(3600 * hours);
+            request.lease_ttl = Duration::from_secs(3600 * hours);
+            request
+        };
+        for i in 0..300 {
+            engine.claim(&claim(i, 1 + (i % 2) as u64)).await.unwrap();
+        }
+        assert_eq!(store.stats().await.records, None, "no sweep yet");
+        // Passes of at most 64 entries: the count waits for the end.
+        let first = store.reap(clock.now(), 1).await.unwrap();
+        assert_eq!(first.examined, SWEEP_PER_REMOVAL);
+        assert_eq!(store.stats().await.records, None, "a sweep under way");
+        while store.sweep_under_way() {
+            store.reap(clock.now(), 1).await.unwrap();
+        }
+        assert_eq!(store.stats().await.records, Some(300));
+
+        // Created during a sweep: behind its cursor, counted once; ahead of
+        // it, twice (by the sweep and by the change), until the next sweep.
+        store.reap(clock.now(), 1).await.unwrap();
+        assert!(store.sweep_under_way());
+        let behind = |i: usize| {
+            let mut request = claim(i, 2);
+            request.key = crate::api::Limits::default()
+                .key("reap", &format!("evt-0000-{i}"))
+                .unwrap();
+            request
+        };
+        engine.claim(&behind(1)).await.unwrap();
+        engine.claim(&claim(9999, 2)).await.unwrap();
+        assert_eq!(
+            store.stats().await.records,
+            Some(302),
+            "between sweeps: exact"
+        );
+        while store.sweep_under_way() {
+            store.reap(clock.now(), 1).await.unwrap();
+        }
+        assert_eq!(
+            store.stats().await.records,
+            Some(303),
+            "the one ahead twice"
+        );
+        store.reap(clock.now(), 1).await.unwrap();
+        while store.sweep_under_way() {
+            store.reap(clock.now(), 1).await.unwrap();
+        }
+        assert_eq!(store.stats().await.records, Some(302), "counted again");
+        for key in [behind(1).key, claim(9999, 2).key] {
+            assert!(engine.forget(&key).await.unwrap());
+        }
+        assert_eq!(store.stats().await.records, Some(300));
+
+        // Created, released (the record stays), forgotten (it goes), then
+        // the one-hour half expired and reaped.
+        let mut leases = Vec::new();
+        for i in 300..310 {
+            let ClaimOutcome::Claimed { record, .. } = engine.claim(&claim(i, 1)).await.unwrap()
+            else {
+                panic!("{i} not claimed");
+            };
+            leases.push((i, record.lease_token));
+        }
+        assert_eq!(store.stats().await.records, Some(310));
+        for (i, lease_token) in leases.drain(..5) {
+            engine
+                .release(&crate::domain::ReleaseRequest {
+                    key: claim(i, 1).key,
+                    lease_token,
+                })
+                .await
+                .unwrap();
+        }
+        assert_eq!(
+            store.stats().await.records,
+            Some(310),
+            "released records stay"
+        );
+        for i in 305..310 {
+            assert!(engine.forget(&claim(i, 1).key).await.unwrap());
+        }
+        assert_eq!(store.stats().await.records, Some(305));
+        // A claim is kept for its lease and its retention: two hours for
+        // the one-hour ones (and the released ones), four for the others.
+        clock.advance(Duration::from_secs(2 * 3600 + 1));
+        // Two whole sweeps: the first removes, the second counts what is left.
+        let mut removed = 0;
+        for _ in 0..2 {
+            removed += store.reap(clock.now(), 1000).await.unwrap().removed;
+            while store.sweep_under_way() {
+                removed += store.reap(clock.now(), 1000).await.unwrap().removed;
+            }
+        }
+        assert_eq!(
+            removed, 155,
+            "the one-hour records and the released ones went"
+        );
+        assert_eq!(store.stats().await.records, Some(150));
+        assert_eq!(store.record_count(), 150, "sled agrees");
     }
 
     /// A data directory from before the sweep had an expiry index: it is
