@@ -5,7 +5,8 @@
 # figure and writes benches/results/memory.jsonl.
 #
 #   benches/memory.sh [--records N] [--answers N] [--answer-bytes B]
-#                     [--variant 'NAME|FLAGS[|ENV]']... [--quick] [--dedupd PATH]
+#                     [--variant 'NAME|FLAGS[|ENV[|BINARY]]']... [--quick]
+#                     [--dedupd PATH]
 #                     [--scenario records|answers]...
 #
 # Two scenarios, each on a fresh data directory and run once per variant
@@ -29,6 +30,10 @@
 # `--memory-budget 64MiB`. A variant's ENV (VAR=VALUE ..., optional) is
 # the sidecar's environment on top of this one: for instance
 # `_RJEM_MALLOC_CONF=dirty_decay_ms:0` tries another jemalloc setting.
+# A variant's BINARY runs another build of the sidecar for that variant
+# (the one before a change, side by side with the one after; from 59ff78f
+# on: the reap phase ends on the records count, which older builds kept
+# only every 30 s).
 # --dedupd runs another build of the sidecar (for
 # instance one built with `--features heap-profile`, docs/memory.md).
 set -euo pipefail
@@ -64,7 +69,7 @@ results=$work/memory.jsonl
 # start FLAGS...: the sidecar on the bench ports (with the variant's
 # environment, $variant_env), its pid in $sidecar.
 start() {
-  env "${variant_env[@]}" "$bin" --listen 127.0.0.1:$port --metrics-listen 127.0.0.1:$metrics_port \
+  env "${variant_env[@]}" "${variant_bin:-$bin}" --listen 127.0.0.1:$port --metrics-listen 127.0.0.1:$metrics_port \
     --data-dir "$work/data" --sync always --worker-threads 1 --log warn \
     --namespace-retention short=20s --reaper-interval 1s "$@" 2>>"$work/sidecar.log" &
   sidecar=$!
@@ -106,10 +111,11 @@ load() { # NAMESPACE COUNT EXTRA...
     --json "$@" > "$work/load.json"
 }
 
-run() { # SCENARIO VARIANT_NAME COUNT FLAGS [ENV]
+run() { # SCENARIO VARIANT_NAME COUNT FLAGS [ENV [BINARY]]
   local scenario=$1 name=$2 count=$3 flags=()
   read -r -a flags <<< "$4"
   read -r -a variant_env <<< "${5:-}"
+  variant_bin=${6:+$(cd "$invoked_from" && realpath "$6")}
   local extra=()
   if [ "$scenario" = answers ]; then
     extra=(--batch-size 100 --response-bytes "$answer_bytes")
@@ -123,7 +129,8 @@ run() { # SCENARIO VARIANT_NAME COUNT FLAGS [ENV]
   load short $((count / 2)) "${extra[@]}"
   load bench $((count - count / 2)) "${extra[@]}"
   # Records the long half wrote (whole batches: a little over its share).
-  local kept=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['ops'])" "$work/load.json")
+  local kept
+  kept=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['ops'])" "$work/load.json")
   local load_seconds=$(python3 -c "print(round($(date +%s.%N) - $started, 1))")
   local load_peak=$(status VmHWM) load_rss=$(status VmRSS)
 
@@ -143,6 +150,11 @@ run() { # SCENARIO VARIANT_NAME COUNT FLAGS [ENV]
   local examined_before=$(metric dedupd_reaper_examined_entries_total)
   local deadline=$((SECONDS + 600))
   until [ "$(metric dedupd_records)" -eq "$kept" ]; do
+    if ! kill -0 "$sidecar" 2>/dev/null; then
+      echo "the sidecar died while reaping (its log: $work/sidecar.log):" >&2
+      tail -5 "$work/sidecar.log" >&2
+      exit 1
+    fi
     if [ $SECONDS -gt $deadline ]; then
       echo "the reaper did not come down to the $kept records kept in 10 minutes" \
         "($(metric dedupd_records) left)" >&2
@@ -182,8 +194,8 @@ for scenario in "${scenarios[@]}"; do
     *) bench_unknown "--scenario $scenario" ;;
   esac
   for variant in "${variants[@]}"; do
-    IFS='|' read -r name flags env_vars <<< "$variant"
-    run "$scenario" "$name" "$count" "$flags" "$env_vars"
+    IFS='|' read -r name flags env_vars variant_binary <<< "$variant"
+    run "$scenario" "$name" "$count" "$flags" "$env_vars" "$variant_binary"
   done
 done
 mkdir -p benches/results

@@ -374,6 +374,10 @@ struct SyncWaiters {
     ended: AtomicBool,
     /// The committer thread, unparked by each ticket.
     committer: OnceLock<thread::Thread>,
+    /// Set when frames nobody waits for have piled up (see `Inner::swap`):
+    /// the committer syncs them without a ticket (a ticket would count as
+    /// a caller in the group sizes).
+    sync_wanted: AtomicBool,
 }
 
 impl SyncWaiters {
@@ -391,16 +395,25 @@ impl SyncWaiters {
         }
     }
 
+    /// Asks the committer for a group commit nobody waits for.
+    fn want_sync(&self) {
+        self.sync_wanted.store(true, SeqCst);
+        self.wake_committer();
+    }
+
     /// Tickets issued and not yet served (the committer's view).
     fn pending(&self, served: u64) -> u64 {
         self.requested.load(SeqCst).saturating_sub(served)
     }
 
-    /// Parks the committer until a ticket is pending, shut down begins or
-    /// `timeout` passes.
+    /// Parks the committer until a ticket is pending, a sync is wanted,
+    /// shut down begins or `timeout` passes.
     fn wait_for_request(&self, served: u64, timeout: Duration) {
         let deadline = Instant::now() + timeout;
-        while self.pending(served) == 0 && !self.stopping.load(SeqCst) {
+        while self.pending(served) == 0
+            && !self.stopping.load(SeqCst)
+            && !self.sync_wanted.load(SeqCst)
+        {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return;
@@ -660,7 +673,7 @@ impl SledStore {
     /// Whether the reaper's sweep of the records is between its start and
     /// its end (for tests: a whole sweep counts the records).
     pub fn sweep_under_way(&self) -> bool {
-        !self.inner.sweep.lock().expect("sweep lock").cursors[0].is_empty()
+        !self.inner.lock_sweep().cursors[0].is_empty()
     }
 
     /// Number of records stored, expired ones not yet reaped included
@@ -801,7 +814,15 @@ impl Inner {
         match swapped {
             Ok(()) => {
                 if let Some(log) = &mut log {
+                    let before = log.buffered();
                     log.append(tree, key, replacement.as_deref());
+                    // Changes nobody waits for (the reaper's removals)
+                    // would wait in the buffer for the next checkpoint's
+                    // sync: removing 500 000 records held 24 MiB there.
+                    // Past a mebibyte, a group commit takes them.
+                    if before < UNSYNCED_FRAMES_BYTES && log.buffered() >= UNSYNCED_FRAMES_BYTES {
+                        self.failure.waiters.want_sync();
+                    }
                 }
                 if tree == Tree::Records {
                     self.record_count
@@ -845,9 +866,10 @@ impl Inner {
     /// `now`: at most `budget` removals, and `budget × SWEEP_PER_REMOVAL`
     /// entries looked at, over both trees.
     fn reap(&self, now: UnixMillis, budget: usize) -> Result<ReapReport, Error> {
+        // Held for the pass: one pass at a time goes on from the cursors
+        // (taken before the stall watch counts this thread busy).
+        let mut sweep = self.lock_sweep();
         let busy = self.enter()?;
-        // Held for the pass: one pass at a time goes on from the cursors.
-        let mut sweep = self.sweep.lock().expect("sweep lock");
         let swept = self.sweep_on(&mut sweep, &busy, now, budget);
         if swept.is_err() {
             // Records it looked at are not in the count, its removals are
@@ -855,6 +877,16 @@ impl Inner {
             sweep.counting = None;
         }
         swept
+    }
+
+    /// The reaper's sweep; after a pass that panicked, from the start.
+    fn lock_sweep(&self) -> std::sync::MutexGuard<'_, Sweep> {
+        self.sweep.lock().unwrap_or_else(|poisoned| {
+            self.sweep.clear_poison();
+            let mut sweep = poisoned.into_inner();
+            *sweep = Sweep::default();
+            sweep
+        })
     }
 
     /// One pass of [`Inner::reap`], going on from `sweep`.
@@ -1220,6 +1252,9 @@ fn spawn_committer(
                 // was visible, and so is framed once the lock is ours).
                 let tickets = waiters.requested.load(SeqCst);
                 let group = tickets - served;
+                // Cleared before the frames are taken: a buffer that fills
+                // up again after the take asks again.
+                waiters.sync_wanted.store(false, SeqCst);
                 let outcome: Result<(), ()> = match failure.get() {
                     Some(_) => Err(()),
                     None => 'group: {
@@ -1381,6 +1416,10 @@ const CHECKPOINT_POLL: Duration = Duration::from_millis(100);
 
 /// A frames buffer grown past this (a large cached response) is not kept.
 const SPARE_FRAMES_BYTES: usize = 4 << 20;
+
+/// Frames no caller waits for are synced once this many bytes of them are
+/// buffered (see `Inner::swap`), not only at the next checkpoint.
+const UNSYNCED_FRAMES_BYTES: usize = 1 << 20;
 
 /// Runs each checkpoint the committer asks for: sled made durable, then the
 /// sealed segments deleted (see the module docs).
@@ -1877,6 +1916,54 @@ mod tests {
         );
         assert_eq!(store.stats().await.records, Some(150));
         assert_eq!(store.record_count(), 150, "sled agrees");
+    }
+
+    /// The reaper's removals are framed for the log with nobody waiting for
+    /// their sync: past a mebibyte of them, a group commit takes them
+    /// instead of the buffer holding them until the next checkpoint (an
+    /// hour here), and without counting as a caller in a group.
+    #[tokio::test]
+    async fn removals_nobody_waits_for_leave_the_buffer_past_a_mebibyte() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SledStore::open(&SledConfig {
+            cache_capacity_bytes: 4 << 20,
+            checkpoint_interval: Duration::from_secs(3600),
+            checkpoint_log_bytes: 1 << 30,
+            ..SledConfig::new(dir.path())
+        })
+        .unwrap();
+        let clock = ManualClock::new(UnixMillis(1_000_000));
+        let engine = Engine::new(Arc::new(store.clone()), Arc::new(clock.clone()));
+        let padding = "x".repeat(100);
+        for batch in 0..12 {
+            let requests: Vec<ClaimRequest> = (0..1000)
+                .map(|i| claim_request(&format!("{padding}-{batch}-{i}")))
+                .collect();
+            engine.claim_batch(&requests).await.unwrap();
+        }
+        let buffered = || {
+            let appender = store.inner.appender.as_ref().expect("sync = always");
+            appender.lock().unwrap().buffered()
+        };
+        clock.advance(Duration::from_secs(60));
+        let reaped = store.reap(clock.now(), 100_000).await.unwrap();
+        assert_eq!(reaped.removed, 12_000);
+        let tickets = store.inner.failure.waiters.requested.load(SeqCst);
+        // 12 000 frames of over 100 bytes: past the mebibyte once.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while buffered() >= UNSYNCED_FRAMES_BYTES {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} bytes of removals still wait for a sync",
+                buffered()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(
+            store.inner.failure.waiters.requested.load(SeqCst),
+            tickets,
+            "no ticket taken"
+        );
     }
 
     /// A data directory from before the sweep had an expiry index: it is

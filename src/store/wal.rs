@@ -133,6 +133,11 @@ impl Appender {
         self.next_lsn += 1;
     }
 
+    /// Bytes framed and not yet handed over.
+    pub(super) fn buffered(&self) -> usize {
+        self.buffer.len()
+    }
+
     /// Hands over what was appended since the last call, leaving `spare`
     /// (emptied) in its place so the buffers are reused.
     pub(super) fn take(&mut self, spare: &mut Vec<u8>) {
