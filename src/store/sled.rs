@@ -1237,10 +1237,11 @@ fn spawn_committer(
                 let until_checkpoint = checkpoint_interval
                     .saturating_sub(last_seal.elapsed())
                     .max(CHECKPOINT_POLL);
-                // Woken by a ticket; or it is time for a checkpoint, and
-                // whatever was logged without a waiter (the reaper's
-                // removals) is synced first; or shutting down, and the last
-                // frames are synced before the final checkpoint.
+                // Woken by a ticket; or by a mebibyte of frames logged
+                // without a waiter (the reaper's removals), or the time for
+                // a checkpoint, and those frames are synced first; or
+                // shutting down, and the last frames are synced before the
+                // final checkpoint.
                 waiters.wait_for_request(served, until_checkpoint);
                 let ending = waiters.stopping.load(SeqCst);
                 // (Not for a checkpoint's sync nobody waits for.)
