@@ -8,12 +8,13 @@
 //! outlives the test run, and no test needs to remember to stop anything.
 
 use std::{
+    collections::BTreeSet,
     ffi::OsString,
     net::TcpListener,
     os::unix::fs::{MetadataExt, PermissionsExt},
     path::{Path, PathBuf},
     process::{Child, ChildStdin, Command, Stdio},
-    sync::OnceLock,
+    sync::{Mutex, OnceLock},
     time::{Duration, Instant},
 };
 
@@ -321,12 +322,21 @@ pub fn find_binaries(names: &[&str]) -> Option<PathBuf> {
     })
 }
 
-/// A port free on 127.0.0.1 right now.
+/// A port free on 127.0.0.1 right now, and never handed out before by
+/// this process: the kernel hands a probed and closed port out again, and
+/// two servers given one port leave the second dead while the first
+/// answers for both (a cluster created so never knows its six nodes).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("a free port on 127.0.0.1")
-        .port()
+    static HANDED_OUT: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("a free port on 127.0.0.1")
+            .port();
+        if HANDED_OUT.lock().expect("ports lock").insert(port) {
+            return port;
+        }
+    }
 }
 
 /// Starts PostgreSQL from the binaries found, with `files` written into

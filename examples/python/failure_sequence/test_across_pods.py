@@ -32,10 +32,30 @@ BINARY = os.environ.get("DEDUPD_BIN", str(ROOT / "target" / "debug" / "dedupd"))
 STORE_URL = os.environ.get("DEDUPD_TEST_STORE_URL", "postgres://postgres@127.0.0.1:5432/test")
 
 
+_HANDED_OUT = set()
+
+
 def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A port free on 127.0.0.1 now and never handed out before by this
+    process: the kernel hands a port that was probed and closed out again,
+    and two nodes of one cluster given the same port made the second exit
+    while the first answered for both (`--cluster create` then took the
+    address twice and the cluster never knew six nodes: a CI run failed so)."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+
+
+def is_ours(port, process):
+    """Whether the redis-server answering on `port` is `process` (another
+    process may have taken the port between the probe and the bind)."""
+    assert process.poll() is None, f"redis-server for port {port} exited with {process.returncode}"
+    server = redis_cli(port, "info", "server")
+    return f"process_id:{process.pid}\r" in server or f"process_id:{process.pid}\n" in server
 
 
 class OwnRedis:
@@ -65,6 +85,7 @@ class OwnRedis:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1) as connection:
                     connection.sendall(b"PING\r\n")
                     if connection.recv(64).startswith(b"+PONG"):
+                        assert is_ours(self.port, self.process), f"port {self.port} is another process's"
                         return
             except OSError:
                 pass
@@ -131,20 +152,30 @@ class OwnRedisCluster:
             stdout=open(node / "redis.log", "ab"),
         )
         until(lambda: redis_cli(port, "ping").strip() == "PONG", 20, f"redis-server on {port}")
+        assert is_ours(port, self.processes[port]), f"port {port} is another process's"
 
     def settle(self):
         """Every node says cluster_state:ok, knows all six, and every
         replica's link to its primary is up."""
+        unsettled = []
+
         def settled():
+            unsettled.clear()
             for port in self.ports:
                 info = redis_cli(port, "cluster", "info")
                 if "cluster_state:ok" not in info or "cluster_known_nodes:6" not in info:
+                    unsettled.append(f"{port}: {info.split()[:3]}")
                     return False
                 replication = redis_cli(port, "info", "replication")
                 if "role:slave" in replication and "master_link_status:up" not in replication:
+                    unsettled.append(f"{port}: replica, link down")
                     return False
             return True
-        until(settled, 60, "the cluster settled")
+        try:
+            until(settled, 60, "the cluster settled")
+        except AssertionError as error:
+            logs = {port: (self.dir / str(port) / "redis.log").read_text()[-2000:] for port in self.ports}
+            raise AssertionError(f"{error}: {unsettled}; the nodes' last log lines: {logs}") from None
 
     def answering(self):
         """A node that answers (the one killed may be the first)."""
