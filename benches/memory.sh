@@ -18,10 +18,16 @@
 #
 # Figures per scenario and variant:
 # - load: peak RSS (VmHWM) while loading and RSS at the end;
+# - reap: peak RSS from the end of the load until the reaper has removed
+#   the expired half (in the same process: the short half expires while
+#   the long one loads), the time that took, and the entries the reaper
+#   read from the start (dedupd_reaper_examined_entries) for the records
+#   it removed (dedupd_reaped_records);
 # - open: peak RSS from exec to the first answered Lookup after a kill -9
 #   (sled's open and the write-ahead log's replay), and the time it took;
-# - reap: peak RSS while the reaper removes the expired half, the entries
-#   it examined (dedupd_reaper_examined_entries) and the time it took;
+# - crash sweep: after that open, the entries the reaper reads until it
+#   has counted the records (a start after anything but a clean stop
+#   sweeps the store once), its peak RSS and time;
 # - disk bytes per record after the reap.
 #
 # Defaults: 1 000 000 records and 131 072 answers of 8 KiB (1 GiB);
@@ -103,6 +109,23 @@ metric() {
 # reset_peak: VmHWM counts from now (Linux ≥ 4.0: writing 5 to clear_refs).
 reset_peak() { echo 5 > /proc/"$sidecar"/clear_refs; }
 
+# until_records N WHAT: waits (up to 10 minutes) until dedupd_records is N.
+until_records() {
+  local deadline=$((SECONDS + 600))
+  until [ "$(metric dedupd_records)" -eq "$1" ]; do
+    if ! kill -0 "$sidecar" 2>/dev/null; then
+      echo "the sidecar died (its log: $work/sidecar.log):" >&2
+      tail -5 "$work/sidecar.log" >&2
+      exit 1
+    fi
+    if [ $SECONDS -gt $deadline ]; then
+      echo "$2 in 10 minutes ($(metric dedupd_records) left)" >&2
+      exit 1
+    fi
+    sleep 0.2
+  done
+}
+
 load() { # NAMESPACE COUNT EXTRA...
   local namespace=$1 count=$2
   shift 2
@@ -134,43 +157,38 @@ run() { # SCENARIO VARIANT_NAME COUNT FLAGS [ENV [BINARY]]
   local load_seconds=$(python3 -c "print(round($(date +%s.%N) - $started, 1))")
   local load_peak=$(status VmHWM) load_rss=$(status VmRSS)
 
+  # The short half expires 20 s after it was committed (during the long
+  # half's load); the reaper runs every second. Done when the records
+  # left are the long half's (the count the reaper keeps).
+  reset_peak
+  started=$(date +%s.%N)
+  until_records "$kept" "the reaper did not come down to the $kept records kept"
+  local reap_seconds=$(python3 -c "print(round($(date +%s.%N) - $started, 1))")
+  local examined=$(metric dedupd_reaper_examined_entries_total)
+  local reaped=$(metric dedupd_reaped_records_total)
+  local reap_peak=$(status VmHWM) reap_rss=$(status VmRSS)
+
   kill -KILL "$sidecar"; wait "$sidecar" 2>/dev/null || true
   started=$(date +%s.%N)
   start "${flags[@]}"
   until_answered
   local open_seconds=$(python3 -c "print(round($(date +%s.%N) - $started, 2))")
   local open_peak=$(status VmHWM) open_rss=$(status VmRSS)
-
-  # The short half expires 20 s after it was committed; the reaper runs
-  # every second. Done when the records left are the long half's (the
-  # count the reaper's sweeps keep; some of the short half may have been
-  # reaped before the kill already, when the load took over 20 s).
+  # What a start after a crash costs the reaper (the count comes from its
+  # first whole sweep).
   reset_peak
   started=$(date +%s.%N)
-  local examined_before=$(metric dedupd_reaper_examined_entries_total)
-  local deadline=$((SECONDS + 600))
-  until [ "$(metric dedupd_records)" -eq "$kept" ]; do
-    if ! kill -0 "$sidecar" 2>/dev/null; then
-      echo "the sidecar died while reaping (its log: $work/sidecar.log):" >&2
-      tail -5 "$work/sidecar.log" >&2
-      exit 1
-    fi
-    if [ $SECONDS -gt $deadline ]; then
-      echo "the reaper did not come down to the $kept records kept in 10 minutes" \
-        "($(metric dedupd_records) left)" >&2
-      exit 1
-    fi
-    sleep 0.2
-  done
-  local reap_seconds=$(python3 -c "print(round($(date +%s.%N) - $started, 1))")
-  local examined=$(( $(metric dedupd_reaper_examined_entries_total) - examined_before ))
-  local reap_peak=$(status VmHWM) reap_rss=$(status VmRSS)
+  until_records "$kept" "the records were not counted after the crash"
+  local crash_sweep_seconds=$(python3 -c "print(round($(date +%s.%N) - $started, 1))")
+  local crash_sweep_examined=$(metric dedupd_reaper_examined_entries_total)
+  local crash_sweep_peak=$(status VmHWM)
   kill -TERM "$sidecar"; wait "$sidecar" 2>/dev/null || true
   local disk=$(du -sb "$work/data" | cut -f1)
 
   python3 - "$scenario" "$name" "$count" "$load_seconds" "$load_peak" "$load_rss" \
     "$open_seconds" "$open_peak" "$open_rss" "$reap_seconds" "$reap_peak" "$reap_rss" \
-    "$examined" "$disk" "$answer_bytes" "$kept" >> "$results" <<'PY'
+    "$examined" "$disk" "$answer_bytes" "$kept" "$reaped" "$crash_sweep_seconds" \
+    "$crash_sweep_examined" "$crash_sweep_peak" >> "$results" <<'PY'
 import json, sys
 a = sys.argv[1:]
 mib = lambda kib: round(int(kib) / 1024, 1)
@@ -180,7 +198,10 @@ row = {
     "load_seconds": float(a[3]), "load_peak_mib": mib(a[4]), "load_rss_mib": mib(a[5]),
     "open_seconds": float(a[6]), "open_peak_mib": mib(a[7]), "open_rss_mib": mib(a[8]),
     "reap_seconds": float(a[9]), "reap_peak_mib": mib(a[10]), "reap_rss_mib": mib(a[11]),
-    "reaper_examined": int(a[12]), "disk_bytes_per_live_record": round(int(a[13]) / int(a[15])),
+    "reaper_examined": int(a[12]), "reaped": int(a[16]),
+    "crash_sweep_seconds": float(a[17]), "crash_sweep_examined": int(a[18]),
+    "crash_sweep_peak_mib": mib(a[19]),
+    "disk_bytes_per_live_record": round(int(a[13]) / int(a[15])),
 }
 print(json.dumps(row))
 print(" ".join(f"{k}={v}" for k, v in row.items()), file=sys.stderr)

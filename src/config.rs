@@ -772,6 +772,9 @@ impl ServeArgs {
                     stall_timeout,
                     checkpoint_interval,
                     checkpoint_log_bytes: self.checkpoint_log_mb << 20,
+                    // Records are reaped about as late as the reaper's
+                    // interval already makes them.
+                    expiry_bucket: Duration::from(self.reaper_interval),
                 }))
             }
             StoreKind::Postgres | StoreKind::Redis => {

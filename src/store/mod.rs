@@ -15,6 +15,7 @@
 
 pub mod codec;
 mod disk;
+mod expiry;
 pub mod memory;
 pub mod optimistic;
 pub mod postgres;

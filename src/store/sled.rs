@@ -61,6 +61,7 @@ use tokio::sync::Notify;
 use super::{
     codec::{decode_mark, decode_record, encode_mark, encode_record, record_retain_until},
     disk::{DiskSpace, WriteKind},
+    expiry::ExpiryIndex,
     optimistic::{self, with_token, Conditional, Swapped, Versioned},
     stall::{busy, watch_syncs, Busy, StallWatch, PROBE_AFTER},
     wal::sync_directory,
@@ -118,12 +119,15 @@ pub struct SledConfig {
     pub checkpoint_interval: Duration,
     /// A checkpoint starts once this much log was written since the last.
     pub checkpoint_log_bytes: u64,
+    /// The time one file of the expiry index covers (1 s to 60 s): how late
+    /// after its expiry a record may be reaped. The reaper's interval.
+    pub expiry_bucket: Duration,
 }
 
 impl SledConfig {
     /// `path` with the defaults: `sync = always`, a 64 MiB cache, a 64 MiB
-    /// disk reserve, a 30 s stall timeout and a checkpoint every 30 s or
-    /// 16 MiB of log.
+    /// disk reserve, a 30 s stall timeout, a checkpoint every 30 s or
+    /// 16 MiB of log, and expiry filed by 10 s.
     pub fn new(path: impl Into<PathBuf>) -> SledConfig {
         SledConfig {
             path: path.into(),
@@ -133,6 +137,7 @@ impl SledConfig {
             stall_timeout: Duration::from_secs(30),
             checkpoint_interval: Duration::from_secs(30),
             checkpoint_log_bytes: 16 << 20,
+            expiry_bucket: Duration::from_secs(10),
         }
     }
 }
@@ -151,6 +156,15 @@ const FENCE_BLOCK: u64 = 1 << 20;
 /// Reads when an entry of a tree stops being live.
 type RetainUntilOf = fn(&[u8]) -> Result<UnixMillis, Error>;
 
+/// How `tree`'s entries say when they stop being live (`None`: never).
+fn retain_until_of(tree: Tree) -> Option<RetainUntilOf> {
+    match tree {
+        Tree::Records => Some(record_retain_until),
+        Tree::Marks => Some(|bytes| Ok(decode_mark(bytes)?.retain_until)),
+        Tree::Meta => None,
+    }
+}
+
 /// A reaper pass looks at up to this many entries per record it may remove:
 /// a sweep covers the trees even when little in them has expired.
 const SWEEP_PER_REMOVAL: usize = 64;
@@ -168,6 +182,9 @@ struct Inner {
     marks: sled::Tree,
     /// Where the reaper's sweep goes on from, and what it counted so far.
     sweep: Mutex<Sweep>,
+    /// Which keys fall due when: once whole, a reaper pass reads only what
+    /// is due instead of sweeping.
+    expiry: ExpiryIndex,
     /// How many records there are, without a scan per scrape.
     record_count: RecordCount,
     /// sled's log file, synced by checkpoints.
@@ -199,6 +216,11 @@ struct Sweep {
     /// and `RecordCount::changes` then (`None` until a sweep starts at the
     /// beginning of the tree, so that a count covers the whole of it).
     counting: Option<(u64, i64)>,
+    /// The expiry index's epoch when this sweep started at the beginning
+    /// of the records while the index was not whole (it files every record
+    /// it passes; at its end the index is whole, unless entries were lost
+    /// since).
+    filing: Option<u64>,
 }
 
 /// The number of records, kept without reading them: the reaper's sweep
@@ -592,6 +614,11 @@ impl SledStore {
         db.insert(FENCE_KEY, &(next_token + FENCE_BLOCK).to_le_bytes()[..])?;
         db.insert("meta/opened", &[1u8][..])?;
 
+        // Records the replay wrote have no entries in the index.
+        let expiry = ExpiryIndex::open(&config.path, config.expiry_bucket)?;
+        if replayed.frames > 0 {
+            expiry.index.distrust();
+        }
         // Stores written before the sweep kept an expiry index: drop it.
         if db.tree_names().iter().any(|name| &name[..] == b"expiry") {
             db.drop_tree("expiry")?;
@@ -643,7 +670,11 @@ impl SledStore {
                 records,
                 marks,
                 sweep: Mutex::default(),
-                record_count: RecordCount::default(),
+                expiry: expiry.index,
+                record_count: RecordCount {
+                    counted: Mutex::new(expiry.record_count.map(|count| (count, 0))),
+                    changes: AtomicI64::new(0),
+                },
                 db,
                 log_file,
                 path: config.path.clone(),
@@ -829,12 +860,32 @@ impl Inner {
                         .changed(current.is_some(), replacement.is_some());
                 }
                 drop(write);
+                // Filed outside the log's lock (it may append to a file).
+                drop(log);
+                if let Some(replacement) = &replacement {
+                    self.file_expiry(tree, key, current, replacement);
+                }
                 Ok(Ok(()))
             }
             Err(conflict) => {
                 write.cancel();
                 Ok(Err(conflict.current))
             }
+        }
+    }
+
+    /// Files `key`'s new expiry in the index (after the swap: a crash
+    /// between the two leaves no clean marker, and the next open sweeps).
+    fn file_expiry(&self, tree: Tree, key: &[u8], current: Option<&[u8]>, replacement: &[u8]) {
+        let Some(retain_until_of) = retain_until_of(tree) else {
+            return;
+        };
+        match retain_until_of(replacement) {
+            Ok(retain_until) => {
+                let before = current.and_then(|bytes| retain_until_of(bytes).ok());
+                self.expiry.file(tree, key, before, retain_until);
+            }
+            Err(error) => tracing::warn!(%error, "an unreadable expiry was not filed"),
         }
     }
 
@@ -862,14 +913,22 @@ impl Inner {
             .sum()
     }
 
-    /// Sweeps on from where the last pass stopped, removing what expired by
-    /// `now`: at most `budget` removals, and `budget × SWEEP_PER_REMOVAL`
-    /// entries looked at, over both trees.
+    /// Removes what expired by `now`: at most `budget` removals, and
+    /// `budget × SWEEP_PER_REMOVAL` entries looked at. Reads the index's
+    /// due entries once it is whole, else sweeps on from where the last
+    /// pass stopped, over both trees, filing what it passes.
     fn reap(&self, now: UnixMillis, budget: usize) -> Result<ReapReport, Error> {
         // Held for the pass: one pass at a time goes on from the cursors
         // (taken before the stall watch counts this thread busy).
         let mut sweep = self.lock_sweep();
         let busy = self.enter()?;
+        let (whole, epoch) = self.expiry.complete();
+        if whole {
+            return self.reap_due(&busy, now, budget);
+        }
+        if sweep.cursors[0].is_empty() && sweep.cursors[1].is_empty() {
+            sweep.filing = Some(epoch);
+        }
         let swept = self.sweep_on(&mut sweep, &busy, now, budget);
         if swept.is_err() {
             // Records it looked at are not in the count, its removals are
@@ -877,6 +936,43 @@ impl Inner {
             sweep.counting = None;
         }
         swept
+    }
+
+    /// One pass over the index's due entries: each key's record is read
+    /// and removed if it expired by `now` (an entry a later write made
+    /// stale finds it live, and that write filed another).
+    fn reap_due(&self, busy: &Busy, now: UnixMillis, budget: usize) -> Result<ReapReport, Error> {
+        let mut report = ReapReport::default();
+        let limit = budget.saturating_mul(SWEEP_PER_REMOVAL);
+        loop {
+            let entries = self.expiry.due(now);
+            if entries.is_empty() {
+                return Ok(report);
+            }
+            for entry in entries {
+                busy.renew();
+                if report.examined >= limit || report.removed >= budget {
+                    return Ok(report);
+                }
+                report.examined += 1;
+                if let Some(retain_until_of) = retain_until_of(entry.tree) {
+                    if let Some(value) = self.tree(entry.tree).get(&entry.key)? {
+                        let expired =
+                            retain_until_of(&value).is_ok_and(|retain_until| retain_until <= now);
+                        // A swap, not a remove: a claim may have replaced
+                        // the record since we read it.
+                        if expired
+                            && self
+                                .swap(entry.tree, &entry.key, Some(&value), None)?
+                                .is_ok()
+                        {
+                            report.removed += 1;
+                        }
+                    }
+                }
+                self.expiry.advance(entry.done);
+            }
+        }
     }
 
     /// The reaper's sweep; after a pass that panicked, from the start.
@@ -899,11 +995,8 @@ impl Inner {
     ) -> Result<ReapReport, Error> {
         let mut report = ReapReport::default();
         let limit = budget.saturating_mul(SWEEP_PER_REMOVAL);
-        let trees: [(Tree, RetainUntilOf); 2] = [
-            (Tree::Records, record_retain_until),
-            (Tree::Marks, |bytes| Ok(decode_mark(bytes)?.retain_until)),
-        ];
-        for (index, (tag, retain_until_of)) in trees.into_iter().enumerate() {
+        for (index, tag) in [Tree::Records, Tree::Marks].into_iter().enumerate() {
+            let retain_until_of = retain_until_of(tag).expect("the trees that expire");
             let tree = self.tree(tag);
             if tag == Tree::Records && sweep.cursors[index].is_empty() {
                 // From the start: a new count (the changes from now on are
@@ -930,7 +1023,13 @@ impl Inner {
                 report.examined += 1;
                 looked_at += 1;
                 let expired = match retain_until_of(&value) {
-                    Ok(retain_until) => retain_until <= now,
+                    Ok(retain_until) if retain_until <= now => true,
+                    Ok(retain_until) => {
+                        if sweep.filing.is_some() {
+                            self.expiry.file(tag, &key, None, retain_until);
+                        }
+                        false
+                    }
                     Err(error) => {
                         tracing::warn!(%error, "the reaper skips an unreadable entry");
                         false
@@ -963,6 +1062,12 @@ impl Inner {
             };
             if !done {
                 break;
+            }
+            if tag == Tree::Marks {
+                // Both trees gone through from their start.
+                if let Some(epoch) = sweep.filing.take() {
+                    self.expiry.swept(epoch);
+                }
             }
         }
         Ok(report)
@@ -1158,7 +1263,10 @@ impl Store for SledStore {
             inner.failure.check()?;
             // The sync watch has ended: health (the watchdog) sees this one.
             inner.stall.sync_starting();
-            let synced = inner.final_checkpoint();
+            let synced = inner.final_checkpoint().and_then(|()| {
+                // Last: its marker vouches for entries of every write.
+                inner.expiry.close(inner.record_count.get())
+            });
             inner.stall.sync_done();
             synced
         })
@@ -1752,8 +1860,9 @@ mod tests {
         };
         let mut last_fencing = 0;
         for round in 0..500 {
-            // The previous commit (1 ms retention) has expired.
-            clock.advance(Duration::from_millis(10));
+            // The previous commit (1 ms retention) has expired, and its
+            // minute in the expiry index is due.
+            clock.advance(Duration::from_secs(60));
             let request = claim_request("contended");
             let ClaimOutcome::Claimed { record, .. } = engine.claim(&request).await.unwrap() else {
                 panic!("round {round}: the expired key was not claimable");
@@ -1830,15 +1939,9 @@ mod tests {
         let first = store.reap(clock.now(), 1).await.unwrap();
         assert_eq!(first.examined, SWEEP_PER_REMOVAL);
         assert_eq!(store.stats().await.records, None, "a sweep under way");
-        while store.sweep_under_way() {
-            store.reap(clock.now(), 1).await.unwrap();
-        }
-        assert_eq!(store.stats().await.records, Some(300));
-
         // Created during a sweep: behind its cursor, counted once; ahead of
-        // it, twice (by the sweep and by the change), until the next sweep.
-        store.reap(clock.now(), 1).await.unwrap();
-        assert!(store.sweep_under_way());
+        // it, twice (by the sweep and by the change), until a sweep counts
+        // again.
         let behind = |i: usize| {
             let mut request = claim(i, 2);
             request.key = crate::api::Limits::default()
@@ -1848,23 +1951,25 @@ mod tests {
         };
         engine.claim(&behind(1)).await.unwrap();
         engine.claim(&claim(9999, 2)).await.unwrap();
-        assert_eq!(
-            store.stats().await.records,
-            Some(302),
-            "between sweeps: exact"
-        );
-        while store.sweep_under_way() {
-            store.reap(clock.now(), 1).await.unwrap();
-        }
+        let sweep_through = || async {
+            while store.sweep_under_way() {
+                store.reap(clock.now(), 1).await.unwrap();
+            }
+        };
+        sweep_through().await;
         assert_eq!(
             store.stats().await.records,
             Some(303),
             "the one ahead twice"
         );
+        // The index is whole now: passes read what is due, no sweep.
         store.reap(clock.now(), 1).await.unwrap();
-        while store.sweep_under_way() {
-            store.reap(clock.now(), 1).await.unwrap();
-        }
+        assert!(!store.sweep_under_way());
+        // Entries lost (as by a failed append): a sweep again, which counts.
+        store.inner.expiry.distrust();
+        store.reap(clock.now(), 1).await.unwrap();
+        assert!(store.sweep_under_way());
+        sweep_through().await;
         assert_eq!(store.stats().await.records, Some(302), "counted again");
         for key in [behind(1).key, claim(9999, 2).key] {
             assert!(engine.forget(&key).await.unwrap());
@@ -1902,21 +2007,25 @@ mod tests {
         assert_eq!(store.stats().await.records, Some(305));
         // A claim is kept for its lease and its retention: two hours for
         // the one-hour ones (and the released ones), four for the others.
-        clock.advance(Duration::from_secs(2 * 3600 + 1));
-        // Two whole sweeps: the first removes, the second counts what is left.
-        let mut removed = 0;
-        for _ in 0..2 {
-            removed += store.reap(clock.now(), 1000).await.unwrap().removed;
-            while store.sweep_under_way() {
-                removed += store.reap(clock.now(), 1000).await.unwrap().removed;
-            }
-        }
+        // (And the index's minute of lateness.)
+        clock.advance(Duration::from_secs(2 * 3600 + 61));
+        let reaped = store.reap(clock.now(), 1000).await.unwrap();
+        assert!(!store.sweep_under_way(), "the index, not a sweep");
         assert_eq!(
-            removed, 155,
+            reaped.removed, 155,
             "the one-hour records and the released ones went"
         );
         assert_eq!(store.stats().await.records, Some(150));
         assert_eq!(store.record_count(), 150, "sled agrees");
+
+        // A clean close leaves the count; a crash does not.
+        store.close().await.unwrap();
+        drop((engine, store));
+        let store = reopen(dir.path()).await;
+        assert_eq!(store.stats().await.records, Some(150), "from the close");
+        drop(store);
+        let store = reopen(dir.path()).await;
+        assert_eq!(store.stats().await.records, None, "no clean close");
     }
 
     /// The reaper's removals are framed for the log with nobody waiting for

@@ -88,7 +88,7 @@ pub(super) enum Tree {
 }
 
 impl Tree {
-    fn from_byte(byte: u8) -> Option<Tree> {
+    pub(super) fn from_byte(byte: u8) -> Option<Tree> {
         match byte {
             0 => Some(Tree::Meta),
             1 => Some(Tree::Records),
