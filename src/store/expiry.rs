@@ -1,21 +1,26 @@
 //! The embedded store's expiry index: which keys fall due when, kept in
-//! files of dedupd's own beside sled (`expiry/<n>`, one per interval of
-//! time — the reaper's, from one second to a minute — in which something
-//! falls due), so that a reaper pass reads what is due and nothing else,
-//! and a whole interval's file goes at once.
+//! files of dedupd's own beside sled, so that a reaper pass reads what is
+//! due and nothing else, and a whole interval's file goes at once.
 //!
-//! Outside sled on purpose: entries written once and left until due pinned
-//! sled's log segments (an index in a sled tree made its log grow with
-//! everything that went through it). Here an entry costs an append to a
-//! file of ours, and a due file is deleted after its keys are reaped.
+//! Two kinds of files in `<data-dir>/expiry/`: `<n>` holds what falls due
+//! in the n-th interval of `width` (the reaper's interval, 1 s to 60 s),
+//! for the next [`FINE_AHEAD`] intervals; `c<n>` what falls due later, by
+//! intervals of `FINE_AHEAD × width`, split into fine files as its time
+//! comes near. So the files number about a hundred, not the retention
+//! over the width (24 h by seconds would be 86 400 files).
+//!
+//! Outside sled on purpose: entries written once and left until due
+//! pinned sled's log segments (an index in a sled tree made its log grow
+//! with everything that went through it). Here an entry costs an append
+//! to a file of ours, and a due file is deleted after its keys are reaped.
 //!
 //! Nothing here decides what is expired: an entry only says "look at this
 //! key then"; the reaper reads the record and removes it only if it is
 //! expired by then (a stale entry costs one read). The entries are not
 //! synced as they are written: after anything but a clean close (the
-//! `clean` marker, written last at close and removed at open) the files are
-//! dropped and the reaper sweeps the trees once, filing every record it
-//! finds, before it trusts the index again.
+//! `clean` marker, written last at close and removed at open) the files
+//! are dropped and the reaper sweeps the trees once, filing every record
+//! it finds, before it trusts the index again.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -23,7 +28,7 @@ use std::{
     io::{self, Read, Seek, SeekFrom, Write},
     path::{Path, PathBuf},
     sync::Mutex,
-    time::Duration,
+    time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
 use super::wal::{sync_directory, Tree};
@@ -32,40 +37,63 @@ use crate::{clock::UnixMillis, error::Error};
 /// The index's folder in the data directory.
 pub(super) const DIR: &str = "expiry";
 
-/// The shortest and longest time one file covers: a record is reaped up
-/// to this long after it expired (it reads as absent from then on anyway).
+/// The shortest and longest time one fine file covers: a record is reaped
+/// up to this long after it expired (it reads as absent from then on
+/// anyway).
 pub(super) const BUCKET_RANGE: (Duration, Duration) =
     (Duration::from_secs(1), Duration::from_secs(60));
+
+/// How many fine intervals ahead an entry goes into a fine file (further,
+/// into a coarse one, which covers as many).
+pub(super) const FINE_AHEAD: u64 = 64;
 
 /// Entries kept in memory before they are appended to their files.
 const BUFFER_BYTES: usize = 256 << 10;
 
-/// Entries read from a due file at a time.
+/// Entries read from a file at a time.
 const READ_BYTES: u64 = 64 << 10;
 
-/// Written last at a clean close (with the record count and the files'
-/// width), removed at open.
+/// Written last at a clean close, removed at open.
 const CLEAN_MARKER: &str = "clean";
 
 /// The longest key an entry holds (sled keys of records are far shorter).
 const MAX_KEY: usize = u16::MAX as usize;
 
-/// One due entry: the key to look at, and where the file's reading
-/// stands once it is done.
+/// An entry's bytes before its key: tree, key length, when it falls due.
+const HEADER: usize = 1 + 2 + 8;
+
+/// A file of the index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(super) enum Bucket {
+    /// What falls due in `[n × width, (n + 1) × width)`.
+    Fine(u64),
+    /// What falls due in `[n × width × FINE_AHEAD, (n + 1) × …)`.
+    Coarse(u64),
+}
+
+/// One due entry: the key to look at, and where its file's reading stands
+/// once it is done.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) struct DueEntry {
     pub tree: Tree,
     pub key: Vec<u8>,
-    /// The bucket and the offset just past this entry.
+    /// The fine bucket and the offset just past this entry.
     pub done: (u64, u64),
+}
+
+/// One entry read back, with the offset just past it in its file.
+struct Entry {
+    tree: Tree,
+    retain_until: UnixMillis,
+    key: Vec<u8>,
+    end: u64,
 }
 
 /// The index (one per store).
 #[derive(Debug)]
 pub(super) struct ExpiryIndex {
     dir: PathBuf,
-    /// Milliseconds one file covers (file `n` holds what falls due in
-    /// `[n × width, (n + 1) × width)`).
+    /// Milliseconds one fine file covers.
     width: u64,
     state: Mutex<State>,
 }
@@ -73,12 +101,12 @@ pub(super) struct ExpiryIndex {
 #[derive(Debug, Default)]
 struct State {
     /// Entries not yet appended to their bucket's file.
-    buffers: BTreeMap<u64, Vec<u8>>,
+    buffers: BTreeMap<Bucket, Vec<u8>>,
     buffered: usize,
     /// Buckets with a file or a buffer.
-    buckets: BTreeSet<u64>,
+    buckets: BTreeSet<Bucket>,
     /// Files appended to since open (synced at close).
-    written: BTreeSet<u64>,
+    written: BTreeSet<Bucket>,
     /// Whether every record has an entry.
     complete: bool,
     /// Moved each time entries may have been lost (a failed append): a
@@ -87,11 +115,15 @@ struct State {
     /// The clean marker is on disk (after close): the next filing removes
     /// it first.
     marked: bool,
-    /// How far the first due bucket's file has been read.
-    cursor: Option<(u64, u64)>,
-    /// The last bucket whose file the reaper started reading: an entry in
-    /// it or before may be gone.
+    /// How far each file has been read (fine ones by the reaper, a coarse
+    /// one by its split).
+    cursors: BTreeMap<Bucket, u64>,
+    /// The last fine bucket whose file the reaper started reading: an
+    /// entry in it or before may be gone.
     read_from: Option<u64>,
+    /// The last coarse bucket whose split started: what falls due in it or
+    /// before is filed fine.
+    split_from: Option<u64>,
 }
 
 /// What [`ExpiryIndex::open`] found.
@@ -103,26 +135,46 @@ pub(super) struct Opened {
     pub record_count: Option<u64>,
 }
 
+/// What one step of [`ExpiryIndex::due`] did.
+enum Step {
+    Entries(Vec<DueEntry>),
+    Again,
+    Nothing,
+}
+
 impl ExpiryIndex {
-    /// Opens the index of the store in `store_dir`, each file covering
-    /// `width` (within [`BUCKET_RANGE`]). Trusted only after a clean close
-    /// with the same width; else its files go and the index waits for a
-    /// sweep.
-    pub fn open(store_dir: &Path, width: Duration) -> Result<Opened, Error> {
+    /// Opens the index of the store in `store_dir`, each fine file covering
+    /// `width` (within [`BUCKET_RANGE`]). `stamp` is a value every open of
+    /// the store changes, whatever dedupd wrote it (the fencing
+    /// reservation, read before this open moves it). Trusted only after a
+    /// clean close with the same width and stamp (no other open since: an
+    /// older dedupd does not file); else its files go and the index waits
+    /// for a sweep.
+    pub fn open(store_dir: &Path, width: Duration, stamp: u64) -> Result<Opened, Error> {
         let width = width.clamp(BUCKET_RANGE.0, BUCKET_RANGE.1).as_millis() as u64;
         let dir = store_dir.join(DIR);
         fs::create_dir_all(&dir)?;
         let marker = dir.join(CLEAN_MARKER);
-        let record_count = match fs::read_to_string(&marker) {
-            Ok(text) => match text.split_whitespace().collect::<Vec<_>>()[..] {
-                [count, closed_width] if closed_width.parse() == Ok(width) => count.parse().ok(),
-                _ => None,
-            },
-            Err(error) if error.kind() == io::ErrorKind::NotFound => None,
+        let (record_count, found) = match fs::read(&marker) {
+            Ok(bytes) => {
+                let text = String::from_utf8_lossy(&bytes);
+                let fields: Vec<&str> = text.split_whitespace().collect();
+                let count = match fields[..] {
+                    [count, closed_width, closed_stamp]
+                        if closed_width.parse() == Ok(width)
+                            && closed_stamp.parse() == Ok(stamp) =>
+                    {
+                        count.parse().ok()
+                    }
+                    _ => None,
+                };
+                (count, true)
+            }
+            Err(error) if error.kind() == io::ErrorKind::NotFound => (None, false),
             Err(error) => return Err(error.into()),
         };
         let trusted = record_count.is_some();
-        if marker.exists() {
+        if found {
             // Gone for good before the first write: a crash from now on
             // must find it missing.
             fs::remove_file(&marker)?;
@@ -130,13 +182,12 @@ impl ExpiryIndex {
         let mut buckets = BTreeSet::new();
         for entry in fs::read_dir(&dir)? {
             let entry = entry?;
-            let Some(bucket) = entry
-                .file_name()
-                .to_str()
-                .and_then(|name| name.parse().ok())
-            else {
+            let Some(bucket) = entry.file_name().to_str().and_then(parse_name) else {
                 continue;
             };
+            if !entry.file_type()?.is_file() {
+                continue;
+            }
             if trusted {
                 buckets.insert(bucket);
             } else {
@@ -179,9 +230,7 @@ impl ExpiryIndex {
     /// Entries may be missing (records were written without them, as by
     /// the log's replay): the reaper sweeps before trusting the index.
     pub fn distrust(&self) {
-        let mut state = self.lock();
-        state.complete = false;
-        state.epoch += 1;
+        distrust(&mut self.lock());
     }
 
     /// A sweep that started at `epoch` went through both trees, filing
@@ -206,153 +255,243 @@ impl ExpiryIndex {
         before: Option<UnixMillis>,
         retain_until: UnixMillis,
     ) {
+        let mut state = self.lock();
         if key.len() > MAX_KEY {
             tracing::warn!(len = key.len(), "a key too long for the expiry index");
+            distrust(&mut state);
             return;
         }
-        let bucket = retain_until.0 / self.width;
-        let mut state = self.lock();
-        // Already filed in this bucket by the write before, and not read
-        // yet: that entry will find the record as it is then.
-        if before.map(|before| before.0 / self.width) == Some(bucket)
-            && state.read_from.is_none_or(|read| bucket > read)
+        let fine = retain_until.0 / self.width;
+        // Already filed by the write before, in the same fine interval,
+        // and not read yet: that entry (or what its coarse file's split
+        // makes of it) will find the record as it is then. Only once the
+        // index is whole: during a sweep the record before may have no
+        // entry (the sweep passed it as expired).
+        if state.complete
+            && before.map(|before| before.0 / self.width) == Some(fine)
+            && state.read_from.is_none_or(|read| fine > read)
         {
             return;
         }
         if state.marked {
             // Written after close: the marker would vouch for an index
             // that lacks this entry.
-            if let Err(error) = fs::remove_file(self.dir.join(CLEAN_MARKER))
+            match fs::remove_file(self.dir.join(CLEAN_MARKER))
                 .and_then(|()| File::open(&self.dir)?.sync_all())
             {
-                tracing::warn!(%error, "the expiry index's clean marker could not go");
+                Ok(()) => state.marked = false,
+                Err(error) => {
+                    tracing::warn!(%error, "the expiry index's clean marker could not go");
+                }
             }
-            state.marked = false;
         }
-        let buffer = state.buffers.entry(bucket).or_default();
-        let before_len = buffer.len();
-        buffer.push(tree as u8);
-        buffer.extend_from_slice(&(key.len() as u16).to_le_bytes());
-        buffer.extend_from_slice(key);
-        let added = buffer.len() - before_len;
-        state.buffered += added;
-        state.buckets.insert(bucket);
+        let bucket = self.bucket_for(&state, retain_until);
+        push_entry(&mut state, bucket, tree, key, retain_until);
         if state.buffered >= BUFFER_BYTES {
             self.flush(&mut state);
         }
     }
 
-    /// Appends every buffered entry to its file (not synced). Entries
-    /// that cannot be written are dropped and the index made incomplete.
+    /// The file an entry due at `retain_until` goes into now.
+    fn bucket_for(&self, state: &State, retain_until: UnixMillis) -> Bucket {
+        let fine = retain_until.0 / self.width;
+        let coarse = fine / FINE_AHEAD;
+        let now_fine = wall_millis() / self.width;
+        if fine > now_fine + FINE_AHEAD && state.split_from.is_none_or(|split| coarse > split) {
+            Bucket::Coarse(coarse)
+        } else {
+            Bucket::Fine(fine)
+        }
+    }
+
+    /// Appends every buffered entry to its file (not synced).
     fn flush(&self, state: &mut State) {
         let buffers = std::mem::take(&mut state.buffers);
         state.buffered = 0;
         for (bucket, entries) in buffers {
-            if let Err(error) = self.append(bucket, &entries) {
-                tracing::warn!(
-                    %error,
-                    "the expiry index lost entries: the reaper sweeps the store again"
-                );
-                state.complete = false;
-                state.epoch += 1;
-            }
-            state.written.insert(bucket);
+            self.append(state, bucket, &entries);
         }
     }
 
-    fn append(&self, bucket: u64, entries: &[u8]) -> io::Result<()> {
-        OpenOptions::new()
+    /// Appends `entries` to `bucket`'s file; a failed append is cut off
+    /// (no torn entry before later ones) and makes the index incomplete.
+    fn append(&self, state: &mut State, bucket: Bucket, entries: &[u8]) {
+        state.written.insert(bucket);
+        let appended = OpenOptions::new()
             .create(true)
             .append(true)
-            .open(self.path(bucket))?
-            .write_all(entries)
-    }
-
-    fn path(&self, bucket: u64) -> PathBuf {
-        self.dir.join(bucket.to_string())
-    }
-
-    /// Entries of the first bucket whose time has passed by `now`, from
-    /// where the reading stands (empty: nothing is due).
-    pub fn due(&self, now: UnixMillis) -> Vec<DueEntry> {
-        let mut state = self.lock();
-        loop {
-            let Some(&bucket) = state.buckets.first() else {
-                return Vec::new();
-            };
-            // Due from the first millisecond after it.
-            if bucket.saturating_add(1).saturating_mul(self.width) > now.0 {
-                return Vec::new();
-            }
-            if let Some(entries) = state.buffers.remove(&bucket) {
-                state.buffered -= entries.len();
-                if let Err(error) = self.append(bucket, &entries) {
-                    tracing::warn!(%error, "the expiry index lost due entries: the reaper sweeps");
-                    state.complete = false;
-                    state.epoch += 1;
-                }
-                state.written.insert(bucket);
-            }
-            state.read_from = Some(state.read_from.map_or(bucket, |read| read.max(bucket)));
-            let offset = match state.cursor {
-                Some((at, offset)) if at == bucket => offset,
-                _ => 0,
-            };
-            match self.read(bucket, offset) {
-                Ok(entries) if !entries.is_empty() => return entries,
-                Ok(_) => {}
-                Err(error) => {
-                    tracing::warn!(
-                        %error, bucket,
-                        "an expiry index file is unreadable: dropped, the reaper sweeps"
-                    );
-                    state.complete = false;
-                    state.epoch += 1;
-                }
-            }
-            // Read to its end, nothing buffered for it: it goes.
-            match fs::remove_file(self.path(bucket)) {
-                Err(error) if error.kind() != io::ErrorKind::NotFound => {
-                    tracing::warn!(%error, bucket, "an expiry index file could not go");
-                    return Vec::new();
-                }
-                _ => {}
-            }
-            state.buckets.remove(&bucket);
-            state.written.remove(&bucket);
-            state.cursor = None;
+            .open(self.path(bucket))
+            .and_then(|mut file| {
+                let before = file.metadata()?.len();
+                file.write_all(entries).inspect_err(|_| {
+                    let _ = file.set_len(before);
+                })
+            });
+        if let Err(error) = appended {
+            tracing::warn!(
+                %error,
+                "the expiry index lost entries: the reaper sweeps the store again"
+            );
+            distrust(state);
         }
     }
 
-    /// Up to [`READ_BYTES`] of whole entries of `bucket`'s file from
+    fn path(&self, bucket: Bucket) -> PathBuf {
+        self.dir.join(match bucket {
+            Bucket::Fine(n) => n.to_string(),
+            Bucket::Coarse(n) => format!("c{n}"),
+        })
+    }
+
+    /// Entries of the first fine bucket whose time has passed by `now`,
+    /// from where its reading stands (empty: nothing is due). Splits the
+    /// coarse files whose time comes within one of their intervals.
+    pub fn due(&self, now: UnixMillis) -> Vec<DueEntry> {
+        loop {
+            // The lock is let go between steps: a split of a large coarse
+            // file does not hold writers up.
+            match self.due_step(&mut self.lock(), now) {
+                Step::Entries(entries) => return entries,
+                Step::Again => continue,
+                Step::Nothing => return Vec::new(),
+            }
+        }
+    }
+
+    fn due_step(&self, state: &mut State, now: UnixMillis) -> Step {
+        let coarse_width = self.width.saturating_mul(FINE_AHEAD);
+        let coarse_near = |c: u64| c.saturating_sub(1).saturating_mul(coarse_width) <= now.0;
+        let Some(&first) = state.buckets.first() else {
+            return Step::Nothing;
+        };
+        let n = match first {
+            Bucket::Fine(n) if n.saturating_add(1).saturating_mul(self.width) <= now.0 => n,
+            // No fine file due; a coarse one may have come near.
+            _ => {
+                return match state.buckets.range(Bucket::Coarse(0)..).next() {
+                    Some(&Bucket::Coarse(c)) if coarse_near(c) => self.split_step(state, c),
+                    _ => Step::Nothing,
+                };
+            }
+        };
+        state.read_from = Some(state.read_from.map_or(n, |read| read.max(n)));
+        self.write_out(state, first);
+        let offset = state.cursors.get(&first).copied().unwrap_or(0);
+        match self.read(&self.path(first), offset) {
+            Ok(entries) if !entries.is_empty() => {
+                return Step::Entries(
+                    entries
+                        .into_iter()
+                        .map(|entry| DueEntry {
+                            tree: entry.tree,
+                            key: entry.key,
+                            done: (n, entry.end),
+                        })
+                        .collect(),
+                );
+            }
+            Ok(_) => {}
+            Err(error) => {
+                tracing::warn!(
+                    %error, bucket = n,
+                    "an expiry index file is unreadable: dropped, the reaper sweeps"
+                );
+                distrust(state);
+            }
+        }
+        self.finished(state, first);
+        Step::Again
+    }
+
+    /// Moves one read's worth of the coarse file `c` into fine files.
+    fn split_step(&self, state: &mut State, c: u64) -> Step {
+        let bucket = Bucket::Coarse(c);
+        // From now on what falls due in `c` is filed fine.
+        state.split_from = Some(state.split_from.map_or(c, |split| split.max(c)));
+        self.write_out(state, bucket);
+        let offset = state.cursors.get(&bucket).copied().unwrap_or(0);
+        match self.read(&self.path(bucket), offset) {
+            Ok(entries) if !entries.is_empty() => {
+                let end = entries.last().map_or(offset, |entry| entry.end);
+                for entry in entries {
+                    let fine = Bucket::Fine(entry.retain_until.0 / self.width);
+                    push_entry(state, fine, entry.tree, &entry.key, entry.retain_until);
+                }
+                if state.buffered >= BUFFER_BYTES {
+                    self.flush(state);
+                }
+                state.cursors.insert(bucket, end);
+                return Step::Again;
+            }
+            Ok(_) => {}
+            Err(error) => {
+                tracing::warn!(
+                    %error, bucket = c,
+                    "an expiry index file is unreadable: dropped, the reaper sweeps"
+                );
+                distrust(state);
+            }
+        }
+        // The moved entries reach their files before the coarse one goes.
+        self.flush(state);
+        self.finished(state, bucket);
+        Step::Again
+    }
+
+    /// Appends what is buffered for `bucket` to its file, so a read sees
+    /// every entry.
+    fn write_out(&self, state: &mut State, bucket: Bucket) {
+        if let Some(entries) = state.buffers.remove(&bucket) {
+            state.buffered -= entries.len();
+            self.append(state, bucket, &entries);
+        }
+    }
+
+    /// `bucket`'s file was read to its end with nothing buffered for it:
+    /// it goes (one that cannot go is left, and the index distrusted).
+    fn finished(&self, state: &mut State, bucket: Bucket) {
+        match fs::remove_file(self.path(bucket)) {
+            Err(error) if error.kind() != io::ErrorKind::NotFound => {
+                tracing::warn!(%error, ?bucket, "an expiry index file could not go: the reaper sweeps");
+                distrust(state);
+            }
+            _ => {}
+        }
+        state.buckets.remove(&bucket);
+        state.written.remove(&bucket);
+        state.cursors.remove(&bucket);
+    }
+
+    /// Up to [`READ_BYTES`] of whole entries of the file at `path` from
     /// `offset`.
-    fn read(&self, bucket: u64, offset: u64) -> Result<Vec<DueEntry>, Error> {
-        let mut file = match File::open(self.path(bucket)) {
+    fn read(&self, path: &Path, offset: u64) -> Result<Vec<Entry>, Error> {
+        let mut file = match File::open(path) {
             Ok(file) => file,
             Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
             Err(error) => return Err(error.into()),
         };
         file.seek(SeekFrom::Start(offset))?;
         let mut bytes = Vec::new();
-        file.take(READ_BYTES + 3 + MAX_KEY as u64)
+        file.take(READ_BYTES + (HEADER + MAX_KEY) as u64)
             .read_to_end(&mut bytes)?;
+        let cut_short = || Error::Corrupt("an expiry entry cut short".into());
         let mut entries = Vec::new();
         let mut at = 0usize;
         while at < bytes.len() && (at as u64) < READ_BYTES {
-            let header = bytes
-                .get(at..at + 3)
-                .ok_or_else(|| Error::Corrupt("an expiry entry cut short".into()))?;
+            let header = bytes.get(at..at + HEADER).ok_or_else(cut_short)?;
             let tree = Tree::from_byte(header[0])
                 .ok_or_else(|| Error::Corrupt(format!("an expiry entry of tree {}", header[0])))?;
             let len = usize::from(u16::from_le_bytes([header[1], header[2]]));
+            let retain_until = u64::from_le_bytes(header[3..HEADER].try_into().expect("8 bytes"));
             let key = bytes
-                .get(at + 3..at + 3 + len)
-                .ok_or_else(|| Error::Corrupt("an expiry entry cut short".into()))?;
-            at += 3 + len;
-            entries.push(DueEntry {
+                .get(at + HEADER..at + HEADER + len)
+                .ok_or_else(cut_short)?;
+            at += HEADER + len;
+            entries.push(Entry {
                 tree,
+                retain_until: UnixMillis(retain_until),
                 key: key.to_vec(),
-                done: (bucket, offset + at as u64),
+                end: offset + at as u64,
             });
         }
         Ok(entries)
@@ -361,13 +500,26 @@ impl ExpiryIndex {
     /// The reaper is done with every entry up to `done` (from
     /// [`DueEntry::done`]).
     pub fn advance(&self, done: (u64, u64)) {
-        self.lock().cursor = Some(done);
+        self.lock().cursors.insert(Bucket::Fine(done.0), done.1);
+    }
+
+    /// Bytes of the index's files on disk.
+    pub fn bytes(&self) -> u64 {
+        fs::read_dir(&self.dir)
+            .map(|entries| {
+                entries
+                    .filter_map(|entry| entry.ok()?.metadata().ok())
+                    .map(|metadata| metadata.len())
+                    .sum()
+            })
+            .unwrap_or(0)
     }
 
     /// At close: every entry appended and synced, then the marker (with
-    /// `record_count`) if the index is whole. Entries filed later remove
-    /// the marker again.
-    pub fn close(&self, record_count: Option<u64>) -> Result<(), Error> {
+    /// `record_count`, the width and `stamp`, the value the next open
+    /// must find) if the index is whole. Entries filed later remove the
+    /// marker again.
+    pub fn close(&self, record_count: Option<u64>, stamp: u64) -> Result<(), Error> {
         let mut state = self.lock();
         self.flush(&mut state);
         for bucket in std::mem::take(&mut state.written) {
@@ -383,7 +535,7 @@ impl ExpiryIndex {
         };
         let temporary = self.dir.join("clean.tmp");
         let mut file = File::create(&temporary)?;
-        file.write_all(format!("{count} {}", self.width).as_bytes())?;
+        file.write_all(format!("{count} {} {stamp}", self.width).as_bytes())?;
         file.sync_all()?;
         fs::rename(&temporary, self.dir.join(CLEAN_MARKER))?;
         sync_directory(&self.dir)?;
@@ -392,14 +544,57 @@ impl ExpiryIndex {
     }
 }
 
+fn distrust(state: &mut State) {
+    state.complete = false;
+    state.epoch += 1;
+}
+
+fn push_entry(state: &mut State, bucket: Bucket, tree: Tree, key: &[u8], retain_until: UnixMillis) {
+    let buffer = state.buffers.entry(bucket).or_default();
+    let before = buffer.len();
+    buffer.push(tree as u8);
+    buffer.extend_from_slice(&(key.len() as u16).to_le_bytes());
+    buffer.extend_from_slice(&retain_until.0.to_le_bytes());
+    buffer.extend_from_slice(key);
+    state.buffered += buffer.len() - before;
+    state.buckets.insert(bucket);
+}
+
+fn parse_name(name: &str) -> Option<Bucket> {
+    match name.strip_prefix('c') {
+        Some(coarse) => coarse.parse().ok().map(Bucket::Coarse),
+        None => name.parse().ok().map(Bucket::Fine),
+    }
+}
+
+/// The wall clock, for choosing between a fine and a coarse file only (a
+/// wrong choice costs a split, never an entry).
+fn wall_millis() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis() as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const MINUTE: Duration = Duration::from_secs(60);
 
+    /// Minutes from now (the wall clock decides fine or coarse).
     fn at(minutes: u64) -> UnixMillis {
-        UnixMillis(minutes * 60_000)
+        UnixMillis((wall_millis() / 60_000 + minutes) * 60_000)
+    }
+
+    fn open(dir: &Path, stamp: u64) -> Opened {
+        ExpiryIndex::open(dir, MINUTE, stamp).unwrap()
+    }
+
+    /// A new index, made whole (as by a sweep of an empty store).
+    fn whole(dir: &Path) -> ExpiryIndex {
+        let index = open(dir, 0).index;
+        index.swept(index.complete().1);
+        index
     }
 
     fn drain(index: &ExpiryIndex, now: UnixMillis) -> Vec<Vec<u8>> {
@@ -414,29 +609,83 @@ mod tests {
         }
     }
 
+    fn files(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = fs::read_dir(dir.join(DIR))
+            .unwrap()
+            .map(|entry| entry.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        names
+    }
+
     #[test]
     fn only_what_is_due_is_read_and_a_read_file_goes() {
         let dir = tempfile::tempdir().unwrap();
-        let index = ExpiryIndex::open(dir.path(), MINUTE).unwrap().index;
+        let index = whole(dir.path());
         index.file(Tree::Records, b"a", None, at(10));
         index.file(Tree::Records, b"b", None, at(20));
         index.file(Tree::Marks, b"c", None, at(10));
-        assert!(drain(&index, at(10)).is_empty(), "bucket 10 ends at 11");
+        assert!(drain(&index, at(10)).is_empty(), "its minute ends at 11");
         assert_eq!(drain(&index, at(11)), vec![b"a".to_vec(), b"c".to_vec()]);
-        assert!(!dir.path().join(DIR).join("10").exists());
+        assert!(files(dir.path()).is_empty(), "read and gone");
         assert_eq!(drain(&index, at(30)), vec![b"b".to_vec()]);
     }
 
     #[test]
-    fn a_rewrite_in_the_same_far_bucket_files_nothing_more() {
+    fn far_entries_wait_in_a_coarse_file_and_are_split_as_they_come_near() {
         let dir = tempfile::tempdir().unwrap();
-        let index = ExpiryIndex::open(dir.path(), MINUTE).unwrap().index;
+        let index = whole(dir.path());
+        let far = FINE_AHEAD * 3; // minutes: in the third coarse file ahead
+        for minute in [far, far + 1, far + 1] {
+            index.file(
+                Tree::Records,
+                format!("k{minute}").as_bytes(),
+                None,
+                at(minute),
+            );
+        }
+        index.close(None, 0).unwrap();
+        let coarse = (at(far).0 / 60_000) / FINE_AHEAD;
+        assert_eq!(
+            files(dir.path()),
+            vec![format!("c{coarse}")],
+            "one file for all three"
+        );
+        // Not within a coarse interval of its start: left alone.
+        assert!(index.due(at(10)).is_empty());
+        assert_eq!(files(dir.path()), vec![format!("c{coarse}")]);
+        // Within it: split into minutes, none due yet.
+        let near = UnixMillis((coarse - 1) * FINE_AHEAD * 60_000);
+        assert!(index.due(near).is_empty());
+        index.close(None, 0).unwrap();
+        let fine = at(far).0 / 60_000;
+        assert_eq!(
+            files(dir.path()),
+            vec![fine.to_string(), (fine + 1).to_string()]
+        );
+        // A write into that coarse interval now goes to its minute.
+        index.file(Tree::Records, b"late", None, at(far));
+        assert_eq!(
+            drain(&index, at(far + 2)),
+            vec![
+                format!("k{far}").into_bytes(),
+                b"late".to_vec(),
+                format!("k{}", far + 1).into_bytes(),
+                format!("k{}", far + 1).into_bytes()
+            ]
+        );
+    }
+
+    #[test]
+    fn a_rewrite_in_the_same_unread_minute_files_nothing_more() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = whole(dir.path());
         index.file(Tree::Records, b"a", None, at(10));
         index.file(Tree::Records, b"a", Some(at(10)), UnixMillis(at(10).0 + 5));
         index.file(Tree::Records, b"a", Some(at(10)), at(12));
         index.file(Tree::Records, b"b", None, at(21));
         assert_eq!(drain(&index, at(20)).len(), 2);
-        // Bucket 21 not read yet, 10 read: a rewrite in 21 is covered, one
+        // Minute 21 not read yet, 10 read: a rewrite in 21 is covered, one
         // in 10 (its entry may be read already) is filed again.
         index.file(Tree::Records, b"b", Some(at(21)), at(21));
         index.file(Tree::Records, b"c", Some(at(10)), at(10));
@@ -444,54 +693,57 @@ mod tests {
     }
 
     #[test]
-    fn only_a_clean_close_is_trusted_and_a_later_filing_undoes_it() {
+    fn while_a_sweep_is_under_way_every_rewrite_is_filed() {
         let dir = tempfile::tempdir().unwrap();
-        let opened = ExpiryIndex::open(dir.path(), MINUTE).unwrap();
-        assert_eq!(opened.record_count, None);
-        let (complete, epoch) = opened.index.complete();
-        assert!(!complete, "a new index waits for a sweep");
-        opened.index.swept(epoch);
-        opened.index.file(Tree::Records, b"a", None, at(10));
-        opened.index.close(Some(7)).unwrap();
-        drop(opened);
+        let index = open(dir.path(), 0).index;
+        // The record before may be one the sweep passed as expired, with
+        // no entry: the rewrite in its minute must be filed.
+        index.file(Tree::Records, b"a", Some(at(10)), at(10));
+        index.swept(index.complete().1);
+        assert_eq!(drain(&index, at(11)), vec![b"a".to_vec()]);
+    }
 
+    #[test]
+    fn only_a_clean_close_after_the_same_open_is_trusted() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = whole(dir.path());
+        index.file(Tree::Records, b"a", None, at(10));
+        index.close(Some(7), 41).unwrap();
+        drop(index);
+        // Another open came between (an older dedupd, say): the stamp
+        // differs.
+        assert_eq!(open(dir.path(), 40).record_count, None);
+        let index = whole(dir.path());
+        index.file(Tree::Records, b"a", None, at(10));
+        index.close(Some(7), 42).unwrap();
+        drop(index);
         // Another width: the files' numbers mean other times.
-        let other = ExpiryIndex::open(dir.path(), Duration::from_secs(10)).unwrap();
+        let other = ExpiryIndex::open(dir.path(), Duration::from_secs(10), 42).unwrap();
         assert_eq!(other.record_count, None);
-        other.index.close(Some(7)).unwrap();
-        drop(other);
-        let opened = ExpiryIndex::open(dir.path(), MINUTE).unwrap();
-        assert!(
-            !opened.index.complete().0,
-            "closed whole under another width only"
-        );
-        let (_, epoch) = opened.index.complete();
-        opened.index.swept(epoch);
-        opened.index.file(Tree::Records, b"a", None, at(10));
-        opened.index.close(Some(7)).unwrap();
-        drop(opened);
-        let opened = ExpiryIndex::open(dir.path(), MINUTE).unwrap();
+        let index = other.index;
+        index.swept(index.complete().1);
+        index.file(Tree::Records, b"a", None, at(10));
+        index.close(Some(7), 42).unwrap();
+        drop(index);
+
+        let opened = ExpiryIndex::open(dir.path(), Duration::from_secs(10), 42).unwrap();
         assert_eq!(opened.record_count, Some(7));
         assert!(opened.index.complete().0);
         assert_eq!(drain(&opened.index, at(11)), vec![b"a".to_vec()]);
         opened.index.file(Tree::Records, b"b", None, at(10));
         drop(opened); // no close: a crash
 
-        let opened = ExpiryIndex::open(dir.path(), MINUTE).unwrap();
+        let opened = ExpiryIndex::open(dir.path(), Duration::from_secs(10), 42).unwrap();
         assert_eq!(opened.record_count, None);
         assert!(!opened.index.complete().0);
-        assert!(
-            drain(&opened.index, at(11)).is_empty(),
-            "an untrusted file is dropped"
-        );
-        let (_, epoch) = opened.index.complete();
-        opened.index.swept(epoch);
-        opened.index.close(Some(0)).unwrap();
+        assert!(files(dir.path()).is_empty(), "an untrusted file is dropped");
+        opened.index.swept(opened.index.complete().1);
+        opened.index.close(Some(0), 42).unwrap();
         // A write after close: the marker goes, the next open sweeps.
         opened.index.file(Tree::Records, b"c", None, at(10));
         drop(opened);
         assert!(
-            !ExpiryIndex::open(dir.path(), MINUTE)
+            !ExpiryIndex::open(dir.path(), Duration::from_secs(10), 42)
                 .unwrap()
                 .index
                 .complete()
@@ -502,7 +754,7 @@ mod tests {
     #[test]
     fn a_sweep_proves_nothing_when_entries_were_lost_during_it() {
         let dir = tempfile::tempdir().unwrap();
-        let index = ExpiryIndex::open(dir.path(), MINUTE).unwrap().index;
+        let index = open(dir.path(), 0).index;
         let (_, epoch) = index.complete();
         index.file(Tree::Records, b"a", None, at(10));
         // The files' folder gone: the append fails.
@@ -511,15 +763,14 @@ mod tests {
         index.swept(epoch);
         assert!(!index.complete().0);
         fs::create_dir_all(dir.path().join(DIR)).unwrap();
-        let (_, epoch) = index.complete();
-        index.swept(epoch);
+        index.swept(index.complete().1);
         assert!(index.complete().0);
     }
 
     #[test]
     fn entries_cross_the_read_size_whole() {
         let dir = tempfile::tempdir().unwrap();
-        let index = ExpiryIndex::open(dir.path(), MINUTE).unwrap().index;
+        let index = whole(dir.path());
         let keys: Vec<Vec<u8>> = (0..20_000u32)
             .map(|n| format!("namespace/key-{n:08}").into_bytes())
             .collect();

@@ -212,6 +212,9 @@ struct Inner {
 struct Sweep {
     /// Where the sweep of each tree goes on from (empty: the start).
     cursors: [Vec<u8>; 2],
+    /// The tree the sweep is in (0: records, 1: marks): the records are
+    /// not swept again before the marks are through.
+    phase: usize,
     /// Records looked at since the sweep of `records` last started over,
     /// and `RecordCount::changes` then (`None` until a sweep starts at the
     /// beginning of the tree, so that a count covers the whole of it).
@@ -614,10 +617,17 @@ impl SledStore {
         db.insert(FENCE_KEY, &(next_token + FENCE_BLOCK).to_le_bytes()[..])?;
         db.insert("meta/opened", &[1u8][..])?;
 
-        // Records the replay wrote have no entries in the index.
-        let expiry = ExpiryIndex::open(&config.path, config.expiry_bucket)?;
+        // Trusted only if no open came between the last clean close and
+        // this one: every open moves the fencing reservation.
+        let mut expiry = ExpiryIndex::open(
+            &config.path,
+            config.expiry_bucket,
+            reserved_before_replay.unwrap_or(0),
+        )?;
         if replayed.frames > 0 {
+            // Records the replay wrote have no entries in the index.
             expiry.index.distrust();
+            expiry.record_count = None;
         }
         // Stores written before the sweep kept an expiry index: drop it.
         if db.tree_names().iter().any(|name| &name[..] == b"expiry") {
@@ -696,15 +706,16 @@ impl SledStore {
         })
     }
 
-    /// Bytes sled and the write-ahead log use on disk.
+    /// Bytes sled, the write-ahead log and the expiry index use on disk.
     pub fn size_on_disk(&self) -> Result<u64, Error> {
-        Ok(self.inner.db.size_on_disk()? + self.inner.log_bytes())
+        Ok(self.inner.db.size_on_disk()? + self.inner.log_bytes() + self.inner.expiry.bytes())
     }
 
     /// Whether the reaper's sweep of the records is between its start and
     /// its end (for tests: a whole sweep counts the records).
     pub fn sweep_under_way(&self) -> bool {
-        !self.inner.lock_sweep().cursors[0].is_empty()
+        let sweep = self.inner.lock_sweep();
+        sweep.phase != 0 || !sweep.cursors[0].is_empty()
     }
 
     /// Number of records stored, expired ones not yet reaped included
@@ -860,8 +871,8 @@ impl Inner {
                         .changed(current.is_some(), replacement.is_some());
                 }
                 drop(write);
-                // Filed outside the log's lock (it may append to a file).
-                drop(log);
+                // Under the log's lock: close takes it before the index
+                // writes its marker, so no change is left unfiled then.
                 if let Some(replacement) = &replacement {
                     self.file_expiry(tree, key, current, replacement);
                 }
@@ -926,7 +937,7 @@ impl Inner {
         if whole {
             return self.reap_due(&busy, now, budget);
         }
-        if sweep.cursors[0].is_empty() && sweep.cursors[1].is_empty() {
+        if sweep.phase == 0 && sweep.cursors[0].is_empty() {
             sweep.filing = Some(epoch);
         }
         let swept = self.sweep_on(&mut sweep, &busy, now, budget);
@@ -995,7 +1006,11 @@ impl Inner {
     ) -> Result<ReapReport, Error> {
         let mut report = ReapReport::default();
         let limit = budget.saturating_mul(SWEEP_PER_REMOVAL);
-        for (index, tag) in [Tree::Records, Tree::Marks].into_iter().enumerate() {
+        for (index, tag) in [Tree::Records, Tree::Marks]
+            .into_iter()
+            .enumerate()
+            .skip(sweep.phase)
+        {
             let retain_until_of = retain_until_of(tag).expect("the trees that expire");
             let tree = self.tree(tag);
             if tag == Tree::Records && sweep.cursors[index].is_empty() {
@@ -1063,6 +1078,7 @@ impl Inner {
             if !done {
                 break;
             }
+            sweep.phase = (index + 1) % 2;
             if tag == Tree::Marks {
                 // Both trees gone through from their start.
                 if let Some(epoch) = sweep.filing.take() {
@@ -1232,7 +1248,7 @@ impl Store for SledStore {
                 .db
                 .size_on_disk()
                 .ok()
-                .map(|sled| sled + inner.log_bytes())
+                .map(|sled| sled + inner.log_bytes() + inner.expiry.bytes())
         })
         .await
         .unwrap_or_default();
@@ -1264,8 +1280,16 @@ impl Store for SledStore {
             // The sync watch has ended: health (the watchdog) sees this one.
             inner.stall.sync_starting();
             let synced = inner.final_checkpoint().and_then(|()| {
-                // Last: its marker vouches for entries of every write.
-                inner.expiry.close(inner.record_count.get())
+                // Last: its marker vouches for entries of every write, and
+                // names the reservation the next open must find.
+                let stamp = inner
+                    .db
+                    .get(FENCE_KEY)?
+                    .map(|bytes| decode_u64(&bytes))
+                    .transpose()?;
+                inner
+                    .expiry
+                    .close(inner.record_count.get(), stamp.unwrap_or(0))
             });
             inner.stall.sync_done();
             synced
@@ -2010,7 +2034,7 @@ mod tests {
         // (And the index's minute of lateness.)
         clock.advance(Duration::from_secs(2 * 3600 + 61));
         let reaped = store.reap(clock.now(), 1000).await.unwrap();
-        assert!(!store.sweep_under_way(), "the index, not a sweep");
+        assert!(store.inner.expiry.complete().0, "the index, not a sweep");
         assert_eq!(
             reaped.removed, 155,
             "the one-hour records and the released ones went"
@@ -2026,6 +2050,69 @@ mod tests {
         drop(store);
         let store = reopen(dir.path()).await;
         assert_eq!(store.stats().await.records, None, "no clean close");
+    }
+
+    /// Once the index is whole a pass reads only what is due: as many
+    /// entries as records expired, whatever else is stored, also after a
+    /// clean restart; after a crash the reaper sweeps everything once,
+    /// then reads only what is due again.
+    #[tokio::test]
+    async fn a_reaper_pass_reads_only_what_is_due() {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = ManualClock::new(UnixMillis(1_000_000));
+        let claim_all = |store: &SledStore, prefix: &str, stays: usize, goes: usize| {
+            let engine = Engine::new(Arc::new(store.clone()), Arc::new(clock.clone()));
+            let prefix = prefix.to_owned();
+            async move {
+                for i in 0..stays + goes {
+                    let mut request = claim_request(&format!("{prefix}-{i:04}"));
+                    if i < stays {
+                        request.retention = Duration::from_secs(3600);
+                    }
+                    engine.claim(&request).await.unwrap();
+                }
+            }
+        };
+        let store = store(dir.path());
+        // A new store: its first pass sweeps (nothing), then the index.
+        assert_eq!(store.reap(clock.now(), 1000).await.unwrap().examined, 0);
+        assert!(store.inner.expiry.complete().0);
+        claim_all(&store, "a", 900, 100).await;
+        clock.advance(Duration::from_secs(20));
+        let pass = store.reap(clock.now(), 1000).await.unwrap();
+        assert_eq!((pass.removed, pass.examined), (100, 100), "only the due");
+
+        store.close().await.unwrap();
+        drop(store);
+        let store = reopen(dir.path()).await;
+        assert!(
+            store.inner.expiry.complete().0,
+            "trusted after a clean close"
+        );
+        claim_all(&store, "b", 0, 50).await;
+        clock.advance(Duration::from_secs(20));
+        let pass = store.reap(clock.now(), 1000).await.unwrap();
+        assert_eq!((pass.removed, pass.examined), (50, 50));
+
+        drop(store); // a crash
+        let store = reopen(dir.path()).await;
+        assert!(!store.inner.expiry.complete().0);
+        claim_all(&store, "c", 0, 50).await;
+        clock.advance(Duration::from_secs(20));
+        let pass = store.reap(clock.now(), 1000).await.unwrap();
+        assert_eq!(pass.removed, 50);
+        assert_eq!(pass.examined, 950, "the sweep after a crash reads all");
+        claim_all(&store, "d", 0, 50).await;
+        clock.advance(Duration::from_secs(20));
+        let pass = store.reap(clock.now(), 1000).await.unwrap();
+        // Then only the due: these 50, and the 50 entries the writes
+        // before the sweep filed (the sweep removed their records).
+        assert_eq!(
+            (pass.removed, pass.examined),
+            (50, 100),
+            "then only the due"
+        );
+        assert_eq!(store.record_count(), 900);
     }
 
     /// The reaper's removals are framed for the log with nobody waiting for
