@@ -6,8 +6,9 @@
 //! in the n-th interval of `width` (the reaper's interval, 1 s to 60 s),
 //! for the next [`FINE_AHEAD`] intervals; `c<n>` what falls due later, by
 //! intervals of `FINE_AHEAD × width`, split into fine files as its time
-//! comes near. So the files number about a hundred, not the retention
-//! over the width (24 h by seconds would be 86 400 files).
+//! comes near. So the files number the retention over 64 intervals, not
+//! over one (24 h at the default 10 s: 135 coarse files and up to 128
+//! fine ones, instead of 8 640).
 //!
 //! Outside sled on purpose: entries written once and left until due
 //! pinned sled's log segments (an index in a sled tree made its log grow
@@ -124,6 +125,21 @@ struct State {
     /// The last coarse bucket whose split started: what falls due in it or
     /// before is filed fine.
     split_from: Option<u64>,
+    /// Closed: the reaper changes no file any more (a pass still running
+    /// as the store closes would split a coarse file after the marker).
+    closed: bool,
+}
+
+/// Whether the index was whole, and its epoch, when a write began: a
+/// write may skip filing only if the index was whole before its swap and
+/// stayed so (a sweep that ends between the swap and the filing may have
+/// passed the record before as expired, with no entry).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Whole(Option<u64>);
+
+impl Whole {
+    /// For a filing that never skips (the sweep's).
+    pub const NOT: Whole = Whole(None);
 }
 
 /// What [`ExpiryIndex::open`] found.
@@ -134,6 +150,10 @@ pub(super) struct Opened {
     /// else: the reaper's sweep counts).
     pub record_count: Option<u64>,
 }
+
+/// Split steps one call of [`ExpiryIndex::due`] takes at most (a read
+/// each): the rest waits for the next pass.
+const SPLIT_STEPS: usize = 64;
 
 /// What one step of [`ExpiryIndex::due`] did.
 enum Step {
@@ -227,6 +247,12 @@ impl ExpiryIndex {
         (state.complete, state.epoch)
     }
 
+    /// Taken before a write's swap, for its [`ExpiryIndex::file`].
+    pub fn whole(&self) -> Whole {
+        let state = self.lock();
+        Whole(state.complete.then_some(state.epoch))
+    }
+
     /// Entries may be missing (records were written without them, as by
     /// the log's replay): the reaper sweeps before trusting the index.
     pub fn distrust(&self) {
@@ -250,6 +276,7 @@ impl ExpiryIndex {
     /// reaper sweeps.
     pub fn file(
         &self,
+        whole: Whole,
         tree: Tree,
         key: &[u8],
         before: Option<UnixMillis>,
@@ -268,6 +295,7 @@ impl ExpiryIndex {
         // index is whole: during a sweep the record before may have no
         // entry (the sweep passed it as expired).
         if state.complete
+            && whole.0 == Some(state.epoch)
             && before.map(|before| before.0 / self.width) == Some(fine)
             && state.read_from.is_none_or(|read| fine > read)
         {
@@ -347,15 +375,20 @@ impl ExpiryIndex {
     /// from where its reading stands (empty: nothing is due). Splits the
     /// coarse files whose time comes within one of their intervals.
     pub fn due(&self, now: UnixMillis) -> Vec<DueEntry> {
-        loop {
+        for _ in 0..SPLIT_STEPS {
             // The lock is let go between steps: a split of a large coarse
             // file does not hold writers up.
-            match self.due_step(&mut self.lock(), now) {
+            let mut state = self.lock();
+            if state.closed {
+                return Vec::new();
+            }
+            match self.due_step(&mut state, now) {
                 Step::Entries(entries) => return entries,
                 Step::Again => continue,
                 Step::Nothing => return Vec::new(),
             }
         }
+        Vec::new()
     }
 
     fn due_step(&self, state: &mut State, now: UnixMillis) -> Step {
@@ -500,7 +533,11 @@ impl ExpiryIndex {
     /// The reaper is done with every entry up to `done` (from
     /// [`DueEntry::done`]).
     pub fn advance(&self, done: (u64, u64)) {
-        self.lock().cursors.insert(Bucket::Fine(done.0), done.1);
+        let mut state = self.lock();
+        let bucket = Bucket::Fine(done.0);
+        if state.buckets.contains(&bucket) {
+            state.cursors.insert(bucket, done.1);
+        }
     }
 
     /// Bytes of the index's files on disk.
@@ -521,6 +558,7 @@ impl ExpiryIndex {
     /// marker again.
     pub fn close(&self, record_count: Option<u64>, stamp: u64) -> Result<(), Error> {
         let mut state = self.lock();
+        state.closed = true;
         self.flush(&mut state);
         for bucket in std::mem::take(&mut state.written) {
             match File::open(self.path(bucket)) {
@@ -581,9 +619,17 @@ mod tests {
 
     const MINUTE: Duration = Duration::from_secs(60);
 
-    /// Minutes from now (the wall clock decides fine or coarse).
+    /// The minute the tests count from: now, taken once (the wall clock
+    /// decides fine or coarse; a minute ending mid-test must not move the
+    /// times a test compares).
+    fn minute_now() -> u64 {
+        static NOW: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+        *NOW.get_or_init(|| wall_millis() / 60_000)
+    }
+
+    /// Minutes from [`minute_now`].
     fn at(minutes: u64) -> UnixMillis {
-        UnixMillis((wall_millis() / 60_000 + minutes) * 60_000)
+        UnixMillis((minute_now() + minutes) * 60_000)
     }
 
     fn open(dir: &Path, stamp: u64) -> Opened {
@@ -622,9 +668,9 @@ mod tests {
     fn only_what_is_due_is_read_and_a_read_file_goes() {
         let dir = tempfile::tempdir().unwrap();
         let index = whole(dir.path());
-        index.file(Tree::Records, b"a", None, at(10));
-        index.file(Tree::Records, b"b", None, at(20));
-        index.file(Tree::Marks, b"c", None, at(10));
+        index.file(Whole(Some(0)), Tree::Records, b"a", None, at(10));
+        index.file(Whole(Some(0)), Tree::Records, b"b", None, at(20));
+        index.file(Whole(Some(0)), Tree::Marks, b"c", None, at(10));
         assert!(drain(&index, at(10)).is_empty(), "its minute ends at 11");
         assert_eq!(drain(&index, at(11)), vec![b"a".to_vec(), b"c".to_vec()]);
         assert!(files(dir.path()).is_empty(), "read and gone");
@@ -635,16 +681,21 @@ mod tests {
     fn far_entries_wait_in_a_coarse_file_and_are_split_as_they_come_near() {
         let dir = tempfile::tempdir().unwrap();
         let index = whole(dir.path());
-        let far = FINE_AHEAD * 3; // minutes: in the third coarse file ahead
+        // Minutes from now at the start of a coarse file, the third ahead
+        // or later (so `far` and `far + 1` share one).
+        let far = (3 * FINE_AHEAD..4 * FINE_AHEAD)
+            .find(|m| (minute_now() + m).is_multiple_of(FINE_AHEAD))
+            .unwrap();
         for minute in [far, far + 1, far + 1] {
             index.file(
+                Whole(Some(0)),
                 Tree::Records,
                 format!("k{minute}").as_bytes(),
                 None,
                 at(minute),
             );
         }
-        index.close(None, 0).unwrap();
+        index.flush(&mut index.lock());
         let coarse = (at(far).0 / 60_000) / FINE_AHEAD;
         assert_eq!(
             files(dir.path()),
@@ -657,14 +708,14 @@ mod tests {
         // Within it: split into minutes, none due yet.
         let near = UnixMillis((coarse - 1) * FINE_AHEAD * 60_000);
         assert!(index.due(near).is_empty());
-        index.close(None, 0).unwrap();
+        index.flush(&mut index.lock());
         let fine = at(far).0 / 60_000;
         assert_eq!(
             files(dir.path()),
             vec![fine.to_string(), (fine + 1).to_string()]
         );
         // A write into that coarse interval now goes to its minute.
-        index.file(Tree::Records, b"late", None, at(far));
+        index.file(Whole(Some(0)), Tree::Records, b"late", None, at(far));
         assert_eq!(
             drain(&index, at(far + 2)),
             vec![
@@ -677,18 +728,42 @@ mod tests {
     }
 
     #[test]
+    fn a_clean_restart_keeps_the_coarse_files_and_a_closed_index_splits_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = whole(dir.path());
+        let far = FINE_AHEAD * 3;
+        index.file(Whole(Some(0)), Tree::Records, b"far", None, at(far));
+        index.close(Some(1), 5).unwrap();
+        let coarse = files(dir.path());
+        assert_eq!(coarse.len(), 2, "a coarse file and the marker: {coarse:?}");
+        // A reaper pass still running after close changes nothing.
+        assert!(index.due(at(far + 1)).is_empty());
+        assert_eq!(files(dir.path()), coarse);
+        drop(index);
+        let opened = open(dir.path(), 5);
+        assert_eq!(opened.record_count, Some(1));
+        assert_eq!(drain(&opened.index, at(far + 1)), vec![b"far".to_vec()]);
+    }
+
+    #[test]
     fn a_rewrite_in_the_same_unread_minute_files_nothing_more() {
         let dir = tempfile::tempdir().unwrap();
         let index = whole(dir.path());
-        index.file(Tree::Records, b"a", None, at(10));
-        index.file(Tree::Records, b"a", Some(at(10)), UnixMillis(at(10).0 + 5));
-        index.file(Tree::Records, b"a", Some(at(10)), at(12));
-        index.file(Tree::Records, b"b", None, at(21));
+        index.file(Whole(Some(0)), Tree::Records, b"a", None, at(10));
+        index.file(
+            Whole(Some(0)),
+            Tree::Records,
+            b"a",
+            Some(at(10)),
+            UnixMillis(at(10).0 + 5),
+        );
+        index.file(Whole(Some(0)), Tree::Records, b"a", Some(at(10)), at(12));
+        index.file(Whole(Some(0)), Tree::Records, b"b", None, at(21));
         assert_eq!(drain(&index, at(20)).len(), 2);
         // Minute 21 not read yet, 10 read: a rewrite in 21 is covered, one
         // in 10 (its entry may be read already) is filed again.
-        index.file(Tree::Records, b"b", Some(at(21)), at(21));
-        index.file(Tree::Records, b"c", Some(at(10)), at(10));
+        index.file(Whole(Some(0)), Tree::Records, b"b", Some(at(21)), at(21));
+        index.file(Whole(Some(0)), Tree::Records, b"c", Some(at(10)), at(10));
         assert_eq!(drain(&index, at(22)), vec![b"c".to_vec(), b"b".to_vec()]);
     }
 
@@ -698,23 +773,26 @@ mod tests {
         let index = open(dir.path(), 0).index;
         // The record before may be one the sweep passed as expired, with
         // no entry: the rewrite in its minute must be filed.
-        index.file(Tree::Records, b"a", Some(at(10)), at(10));
+        index.file(Whole(Some(0)), Tree::Records, b"a", Some(at(10)), at(10));
         index.swept(index.complete().1);
-        assert_eq!(drain(&index, at(11)), vec![b"a".to_vec()]);
+        // A write that began before the sweep ended files too, though it
+        // files after.
+        index.file(Whole(None), Tree::Records, b"b", Some(at(10)), at(10));
+        assert_eq!(drain(&index, at(11)), vec![b"a".to_vec(), b"b".to_vec()]);
     }
 
     #[test]
     fn only_a_clean_close_after_the_same_open_is_trusted() {
         let dir = tempfile::tempdir().unwrap();
         let index = whole(dir.path());
-        index.file(Tree::Records, b"a", None, at(10));
+        index.file(Whole(Some(0)), Tree::Records, b"a", None, at(10));
         index.close(Some(7), 41).unwrap();
         drop(index);
         // Another open came between (an older dedupd, say): the stamp
         // differs.
         assert_eq!(open(dir.path(), 40).record_count, None);
         let index = whole(dir.path());
-        index.file(Tree::Records, b"a", None, at(10));
+        index.file(Whole(Some(0)), Tree::Records, b"a", None, at(10));
         index.close(Some(7), 42).unwrap();
         drop(index);
         // Another width: the files' numbers mean other times.
@@ -722,7 +800,7 @@ mod tests {
         assert_eq!(other.record_count, None);
         let index = other.index;
         index.swept(index.complete().1);
-        index.file(Tree::Records, b"a", None, at(10));
+        index.file(Whole(Some(0)), Tree::Records, b"a", None, at(10));
         index.close(Some(7), 42).unwrap();
         drop(index);
 
@@ -730,7 +808,9 @@ mod tests {
         assert_eq!(opened.record_count, Some(7));
         assert!(opened.index.complete().0);
         assert_eq!(drain(&opened.index, at(11)), vec![b"a".to_vec()]);
-        opened.index.file(Tree::Records, b"b", None, at(10));
+        opened
+            .index
+            .file(Whole(Some(0)), Tree::Records, b"b", None, at(10));
         drop(opened); // no close: a crash
 
         let opened = ExpiryIndex::open(dir.path(), Duration::from_secs(10), 42).unwrap();
@@ -740,7 +820,9 @@ mod tests {
         opened.index.swept(opened.index.complete().1);
         opened.index.close(Some(0), 42).unwrap();
         // A write after close: the marker goes, the next open sweeps.
-        opened.index.file(Tree::Records, b"c", None, at(10));
+        opened
+            .index
+            .file(Whole(Some(0)), Tree::Records, b"c", None, at(10));
         drop(opened);
         assert!(
             !ExpiryIndex::open(dir.path(), Duration::from_secs(10), 42)
@@ -756,7 +838,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let index = open(dir.path(), 0).index;
         let (_, epoch) = index.complete();
-        index.file(Tree::Records, b"a", None, at(10));
+        index.file(Whole(Some(0)), Tree::Records, b"a", None, at(10));
         // The files' folder gone: the append fails.
         fs::remove_dir_all(dir.path().join(DIR)).unwrap();
         index.flush(&mut index.lock());
@@ -775,7 +857,7 @@ mod tests {
             .map(|n| format!("namespace/key-{n:08}").into_bytes())
             .collect();
         for key in &keys {
-            index.file(Tree::Records, key, None, at(3));
+            index.file(Whole(Some(0)), Tree::Records, key, None, at(3));
         }
         assert!(index.due(at(4)).len() < keys.len(), "one read is bounded");
         assert_eq!(drain(&index, at(4)), keys);

@@ -61,7 +61,7 @@ use tokio::sync::Notify;
 use super::{
     codec::{decode_mark, decode_record, encode_mark, encode_record, record_retain_until},
     disk::{DiskSpace, WriteKind},
-    expiry::ExpiryIndex,
+    expiry::{ExpiryIndex, Whole},
     optimistic::{self, with_token, Conditional, Swapped, Versioned},
     stall::{busy, watch_syncs, Busy, StallWatch, PROBE_AFTER},
     wal::sync_directory,
@@ -845,6 +845,12 @@ impl Inner {
             WriteKind::Delete
         })?;
         let replacement = replacement.map(IVec::from);
+        // Before the swap: see `Whole` (a removal files nothing).
+        let whole = if replacement.is_some() {
+            self.expiry.whole()
+        } else {
+            Whole::NOT
+        };
         let mut log = self.lock_log()?;
         // Dropped before the log's lock: the committer, holding that lock,
         // finds every write finished.
@@ -874,7 +880,7 @@ impl Inner {
                 // Under the log's lock: close takes it before the index
                 // writes its marker, so no change is left unfiled then.
                 if let Some(replacement) = &replacement {
-                    self.file_expiry(tree, key, current, replacement);
+                    self.file_expiry(whole, tree, key, current, replacement);
                 }
                 Ok(Ok(()))
             }
@@ -887,16 +893,27 @@ impl Inner {
 
     /// Files `key`'s new expiry in the index (after the swap: a crash
     /// between the two leaves no clean marker, and the next open sweeps).
-    fn file_expiry(&self, tree: Tree, key: &[u8], current: Option<&[u8]>, replacement: &[u8]) {
+    fn file_expiry(
+        &self,
+        whole: Whole,
+        tree: Tree,
+        key: &[u8],
+        current: Option<&[u8]>,
+        replacement: &[u8],
+    ) {
         let Some(retain_until_of) = retain_until_of(tree) else {
             return;
         };
         match retain_until_of(replacement) {
             Ok(retain_until) => {
                 let before = current.and_then(|bytes| retain_until_of(bytes).ok());
-                self.expiry.file(tree, key, before, retain_until);
+                self.expiry.file(whole, tree, key, before, retain_until);
             }
-            Err(error) => tracing::warn!(%error, "an unreadable expiry was not filed"),
+            Err(error) => {
+                // The sweep skips it too; the index says it lacks one.
+                tracing::warn!(%error, "an unreadable expiry was not filed");
+                self.expiry.distrust();
+            }
         }
     }
 
@@ -1041,7 +1058,7 @@ impl Inner {
                     Ok(retain_until) if retain_until <= now => true,
                     Ok(retain_until) => {
                         if sweep.filing.is_some() {
-                            self.expiry.file(tag, &key, None, retain_until);
+                            self.expiry.file(Whole::NOT, tag, &key, None, retain_until);
                         }
                         false
                     }
