@@ -126,6 +126,18 @@ until_records() {
   done
 }
 
+# reaper_phase N WHAT: from a fresh peak until dedupd_records is N; sets
+# phase_seconds, phase_examined (the reaper's entries since the sidecar
+# started) and phase_peak (KiB).
+reaper_phase() {
+  reset_peak
+  local from=$(date +%s.%N)
+  until_records "$1" "$2"
+  phase_seconds=$(python3 -c "print(round($(date +%s.%N) - $from, 1))")
+  phase_examined=$(metric dedupd_reaper_examined_entries_total)
+  phase_peak=$(status VmHWM)
+}
+
 load() { # NAMESPACE COUNT EXTRA...
   local namespace=$1 count=$2
   shift 2
@@ -163,13 +175,9 @@ run() { # SCENARIO VARIANT_NAME COUNT FLAGS [ENV [BINARY]]
   # The short half expires 20 s after it was committed (during the long
   # half's load); the reaper runs every second. Done when the records
   # left are the long half's (the count the reaper keeps).
-  reset_peak
-  started=$(date +%s.%N)
-  until_records "$kept" "the reaper did not come down to the $kept records kept"
-  local reap_seconds=$(python3 -c "print(round($(date +%s.%N) - $started, 1))")
-  local examined=$(metric dedupd_reaper_examined_entries_total)
-  local reaped=$(metric dedupd_reaped_records_total)
-  local reap_peak=$(status VmHWM) reap_rss=$(status VmRSS)
+  reaper_phase "$kept" "the reaper did not come down to the $kept records kept"
+  local reap_seconds=$phase_seconds examined=$phase_examined reap_peak=$phase_peak
+  local reaped=$(metric dedupd_reaped_records_total) reap_rss=$(status VmRSS)
 
   kill -KILL "$sidecar"; wait "$sidecar" 2>/dev/null || true
   started=$(date +%s.%N)
@@ -179,12 +187,9 @@ run() { # SCENARIO VARIANT_NAME COUNT FLAGS [ENV [BINARY]]
   local open_peak=$(status VmHWM) open_rss=$(status VmRSS)
   # What a start after a crash costs the reaper (the count comes from its
   # first whole sweep).
-  reset_peak
-  started=$(date +%s.%N)
-  until_records "$kept" "the records were not counted after the crash"
-  local crash_sweep_seconds=$(python3 -c "print(round($(date +%s.%N) - $started, 1))")
-  local crash_sweep_examined=$(metric dedupd_reaper_examined_entries_total)
-  local crash_sweep_peak=$(status VmHWM)
+  reaper_phase "$kept" "the records were not counted after the crash"
+  local crash_sweep_seconds=$phase_seconds crash_sweep_examined=$phase_examined
+  local crash_sweep_peak=$phase_peak
   kill -TERM "$sidecar"; wait "$sidecar" 2>/dev/null || true
   local disk=$(du -sb "$work/data" | cut -f1)
 

@@ -424,13 +424,7 @@ impl ExpiryIndex {
                 );
             }
             Ok(_) => {}
-            Err(error) => {
-                tracing::warn!(
-                    %error, bucket = n,
-                    "an expiry index file is unreadable: dropped, the reaper sweeps"
-                );
-                distrust(state);
-            }
+            Err(error) => unreadable(state, first, &error),
         }
         self.finished(state, first);
         Step::Again
@@ -457,13 +451,7 @@ impl ExpiryIndex {
                 return Step::Again;
             }
             Ok(_) => {}
-            Err(error) => {
-                tracing::warn!(
-                    %error, bucket = c,
-                    "an expiry index file is unreadable: dropped, the reaper sweeps"
-                );
-                distrust(state);
-            }
+            Err(error) => unreadable(state, bucket, &error),
         }
         // The moved entries reach their files before the coarse one goes.
         self.flush(state);
@@ -585,6 +573,13 @@ impl ExpiryIndex {
 fn distrust(state: &mut State) {
     state.complete = false;
     state.epoch += 1;
+}
+
+/// `bucket`'s file cannot be read (the caller drops it): what it held is
+/// filed again by a sweep.
+fn unreadable(state: &mut State, bucket: Bucket, error: &Error) {
+    tracing::warn!(%error, ?bucket, "an expiry index file is unreadable: dropped, the reaper sweeps");
+    distrust(state);
 }
 
 fn push_entry(state: &mut State, bucket: Bucket, tree: Tree, key: &[u8], retain_until: UnixMillis) {
