@@ -708,7 +708,7 @@ impl SledStore {
 
     /// Bytes sled, the write-ahead log and the expiry index use on disk.
     pub fn size_on_disk(&self) -> Result<u64, Error> {
-        Ok(self.inner.db.size_on_disk()? + self.inner.log_bytes() + self.inner.expiry.bytes())
+        self.inner.size_on_disk()
     }
 
     /// Whether the reaper's sweep of the records is between its start and
@@ -929,6 +929,11 @@ impl Inner {
         }
         drop(write);
         Ok(())
+    }
+
+    /// Bytes sled, the write-ahead log and the expiry index use on disk.
+    fn size_on_disk(&self) -> Result<u64, Error> {
+        Ok(self.db.size_on_disk()? + self.log_bytes() + self.expiry.bytes())
     }
 
     /// Bytes of the log's segments on disk (preallocated space included).
@@ -1260,15 +1265,9 @@ impl Store for SledStore {
             }
         }
         let inner = Arc::clone(&self.inner);
-        let disk_bytes = tokio::task::spawn_blocking(move || {
-            inner
-                .db
-                .size_on_disk()
-                .ok()
-                .map(|sled| sled + inner.log_bytes() + inner.expiry.bytes())
-        })
-        .await
-        .unwrap_or_default();
+        let disk_bytes = tokio::task::spawn_blocking(move || inner.size_on_disk().ok())
+            .await
+            .unwrap_or_default();
         *self.inner.disk_bytes.lock().expect("stats lock") =
             Some((std::time::Instant::now(), disk_bytes));
         StoreStats {
@@ -1298,15 +1297,10 @@ impl Store for SledStore {
             inner.stall.sync_starting();
             let synced = inner.final_checkpoint().and_then(|()| {
                 // Last: its marker vouches for entries of every write, and
-                // names the reservation the next open must find.
-                let stamp = inner
-                    .db
-                    .get(FENCE_KEY)?
-                    .map(|bytes| decode_u64(&bytes))
-                    .transpose()?;
-                inner
-                    .expiry
-                    .close(inner.record_count.get(), stamp.unwrap_or(0))
+                // names the reservation the next open must find (sled holds
+                // the last one put, checkpointed above).
+                let stamp = inner.fencing.reserved.load(SeqCst);
+                inner.expiry.close(inner.record_count.get(), stamp)
             });
             inner.stall.sync_done();
             synced
