@@ -1409,7 +1409,13 @@ fn spawn_committer(
                             // and its frame: every write counted is framed.
                             counters.finished.load(SeqCst)
                         };
-                        if frames.is_empty() && group == 0 {
+                        if frames.is_empty() {
+                            // Every frame before was synced by an earlier
+                            // group (this thread's), so these callers (a
+                            // read that saw a write while its group was
+                            // syncing) are served without a sync of their
+                            // own.
+                            counters.durable.fetch_max(finished, SeqCst);
                             break 'group Ok(());
                         }
                         let started = Instant::now();
@@ -2284,6 +2290,58 @@ mod tests {
             "the last of two changes"
         );
         assert!(store.issue_fencing().unwrap().0 > high);
+    }
+
+    /// Counts group commits (each is one log sync).
+    #[derive(Debug, Default)]
+    struct CountSyncs(AtomicU64);
+
+    impl StoreObserver for CountSyncs {
+        fn group_commit(&self, _callers: usize, _elapsed: Duration) {
+            self.0.fetch_add(1, SeqCst);
+        }
+        fn local_tier(&self, _hit: bool) {}
+    }
+
+    /// A ticket with no new frame behind it (a read that saw a write while
+    /// that write's group was syncing) is served without a sync; the next
+    /// write is synced as before.
+    #[tokio::test]
+    async fn a_group_with_no_new_frames_skips_its_sync() {
+        let dir = tempfile::tempdir().unwrap();
+        let syncs = Arc::new(CountSyncs::default());
+        let store = SledStore::open_observed(
+            &SledConfig {
+                cache_capacity_bytes: 4 << 20,
+                ..SledConfig::new(dir.path())
+            },
+            Some(Arc::clone(&syncs) as Arc<dyn StoreObserver>),
+        )
+        .unwrap();
+        let inner = &store.inner;
+        let served = |ticket: u64| async move {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while inner.failure.waiters.served.load(SeqCst) < ticket {
+                assert!(Instant::now() < deadline, "ticket {ticket} never served");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+
+        inner.put(Tree::Meta, b"first", b"1").unwrap();
+        store.durable().await.unwrap();
+        assert_eq!(syncs.0.load(SeqCst), 1, "a write is synced");
+
+        let ticket = inner.failure.waiters.request();
+        served(ticket).await;
+        assert_eq!(syncs.0.load(SeqCst), 1, "no new frame: no sync");
+        assert_eq!(
+            inner.counters.durable.load(SeqCst),
+            inner.counters.finished.load(SeqCst)
+        );
+
+        inner.put(Tree::Meta, b"second", b"2").unwrap();
+        store.durable().await.unwrap();
+        assert_eq!(syncs.0.load(SeqCst), 2, "a new frame: a sync");
     }
 
     /// A group commit waits for as many callers as the last one answered,
