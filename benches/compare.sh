@@ -96,11 +96,26 @@ run() { # name url workload concurrency [extra args...]
     "$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["latency_us"]["p99"])' "$json")"
 }
 
+# The device's share of the floor under a durable answer (issue 39): a
+# small append to a preallocated file in the sidecars' directory and its
+# fdatasync; with the no-op server's c=1 p50 it is the floor Claim c=1 is
+# measured against. Taken with every repeat of the c=1 runs.
+sync_floor() {
+  local json
+  json=$("$bench" sync-floor --dir "$work" --count 2000) || {
+    echo "bench failed: sync-floor: $json" >&2; exit 1; }
+  python3 -c 'import json,sys; r=json.loads(sys.argv[1]); r.update(name="append+fdatasync", workload="sync-floor", concurrency=1); print(json.dumps(r))' \
+    "$json" >> "$results"
+  printf '%-34s %-13s c=%-4s %10s        p50 %s µs\n' "append+fdatasync" sync-floor 1 "" \
+    "$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["latency_us"]["p50"])' "$json")"
+}
+
 # Repeats are interleaved (every target once, then again) so that a noisy
 # moment on the machine hits all targets alike; the report takes medians.
 for workload in claim claim-commit; do
   for concurrency in 1 16 64 256; do
     for _ in $(seq 1 "$repeats"); do
+      if [ "$workload" = claim ] && [ "$concurrency" = 1 ]; then sync_floor; fi
       for target in "${targets[@]}"; do
         run "${target%%|*}" "${target#*|}" "$workload" "$concurrency"
       done
@@ -130,20 +145,25 @@ peak_rss_kb=$(awk '/VmHWM/ {print $2}' /proc/$big_pid/status)
 # kill -9, not SIGTERM: the restart below replays the write-ahead log left
 # since the last checkpoint, as after a crash.
 kill -KILL $big_pid; wait $big_pid 2>/dev/null || true
-# Bytes of frames in the log (segments are preallocated: their size says little).
+# Bytes of groups in the log (segments are preallocated: their size says
+# little). A segment: "dedupWAL", its group magic (u32), then groups of a
+# 20-byte header [magic u32][number u64][length u32][crc u32] and frames.
 log_bytes=$(python3 - "$work/big/wal" <<'PY'
 import os, struct, sys
 total = 0
 d = sys.argv[1]
 for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
     data = open(os.path.join(d, name), "rb").read()
-    at = 0
-    while at + 8 <= len(data):
-        (length,) = struct.unpack_from("<I", data, at)
-        if length == 0 or at + 8 + length > len(data):
+    if data[:8] != b"dedupWAL":
+        continue
+    (magic,) = struct.unpack_from("<I", data, 8)
+    at = 12
+    while at + 20 <= len(data):
+        group_magic, _number, length, _crc = struct.unpack_from("<IQII", data, at)
+        if group_magic != magic or length == 0 or at + 20 + length > len(data):
             break
-        at += 8 + length
-    total += at
+        at += 20 + length
+    total += at - 12
 print(total)
 PY
 )

@@ -4,7 +4,7 @@
 use std::{future::Future, io::IsTerminal, net::SocketAddr, process::ExitCode};
 
 use clap::{Args, Parser, Subcommand};
-use dedupd_bench::{load, noop, otlp_sink, tier, upstream};
+use dedupd_bench::{load, noop, otlp_sink, sync_floor, tier, upstream};
 use tokio::net::TcpListener;
 
 /// Load generator for dedupd and the obvious alternatives.
@@ -30,6 +30,9 @@ enum Command {
     /// Time DUPLICATE answers from the local tier and from Redis alone,
     /// through the engine without gRPC.
     Tier(tier::TierArgs),
+    /// Time a small append to a preallocated file and its `fdatasync`: the
+    /// device's share of the floor under a durable answer.
+    SyncFloor(sync_floor::SyncFloorArgs),
 }
 
 /// Options of `dedupd-bench noop-server` and `http-upstream`.
@@ -89,6 +92,13 @@ fn main() -> ExitCode {
                 ExitCode::from(u8::try_from(runtime.block_on(tier::run(args))).unwrap_or(1))
             }
             Err(code) => code,
+        },
+        Command::SyncFloor(args) => match sync_floor::run(&args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(error) => {
+                eprintln!("dedupd-bench sync-floor: {error}");
+                ExitCode::FAILURE
+            }
         },
     }
 }
