@@ -99,7 +99,7 @@ run() { # name url workload concurrency [extra args...]
 # The device's share of the floor under a durable answer (issue 39): a
 # small append to a preallocated file in the sidecars' directory and its
 # fdatasync; with the no-op server's c=1 p50 it is the floor Claim c=1 is
-# measured against. Taken with every repeat of the c=1 runs.
+# measured against. Taken with every repeat of the Claim c=1 runs.
 sync_floor() {
   local json
   json=$("$bench" sync-floor --dir "$work" --count 2000) || {
