@@ -18,7 +18,7 @@ export interface TlsOptions {
 export interface RetryOptions {
     /** Attempts in all, the first included (default 5). */
     attempts?: number;
-    /** The first backoff, doubled each time, with full jitter (default 50). */
+    /** The first backoff, doubled each time, with equal jitter (default 50). */
     firstDelayMs?: number;
     /** The longest backoff, and the `retryAfterMs` of `Unavailable` (default 2000). */
     maxDelayMs?: number;
@@ -29,7 +29,11 @@ export interface Retry {
     maxDelayMs: number;
 }
 export declare function retryPolicy(options?: RetryOptions): Retry;
-/** The wait before retry `attempt` (0-based): exponential, full jitter. */
+/** The wait before retry `attempt` (0-based): exponential with equal
+ * jitter — at least half the delay, so `attempts` and the delays promise a
+ * least time the retries ride out (a sidecar restart); with full jitter
+ * every wait could be close to nothing and the retries end before the
+ * sidecar is back. */
 export declare function backoff(retry: Retry, attempt: number): number;
 export interface Target {
     target: string;

@@ -23,9 +23,14 @@ function retryPolicy(options = {}) {
     }
     return retry;
 }
-/** The wait before retry `attempt` (0-based): exponential, full jitter. */
+/** The wait before retry `attempt` (0-based): exponential with equal
+ * jitter — at least half the delay, so `attempts` and the delays promise a
+ * least time the retries ride out (a sidecar restart); with full jitter
+ * every wait could be close to nothing and the retries end before the
+ * sidecar is back. */
 function backoff(retry, attempt) {
-    return Math.random() * Math.min(retry.maxDelayMs, retry.firstDelayMs * 2 ** attempt);
+    const delay = Math.min(retry.maxDelayMs, retry.firstDelayMs * 2 ** attempt);
+    return delay / 2 + Math.random() * (delay / 2);
 }
 function tlsFromEnv() {
     const env = process.env;

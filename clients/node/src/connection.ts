@@ -26,7 +26,7 @@ export interface TlsOptions {
 export interface RetryOptions {
   /** Attempts in all, the first included (default 5). */
   attempts?: number;
-  /** The first backoff, doubled each time, with full jitter (default 50). */
+  /** The first backoff, doubled each time, with equal jitter (default 50). */
   firstDelayMs?: number;
   /** The longest backoff, and the `retryAfterMs` of `Unavailable` (default 2000). */
   maxDelayMs?: number;
@@ -50,9 +50,14 @@ export function retryPolicy(options: RetryOptions = {}): Retry {
   return retry;
 }
 
-/** The wait before retry `attempt` (0-based): exponential, full jitter. */
+/** The wait before retry `attempt` (0-based): exponential with equal
+ * jitter — at least half the delay, so `attempts` and the delays promise a
+ * least time the retries ride out (a sidecar restart); with full jitter
+ * every wait could be close to nothing and the retries end before the
+ * sidecar is back. */
 export function backoff(retry: Retry, attempt: number): number {
-  return Math.random() * Math.min(retry.maxDelayMs, retry.firstDelayMs * 2 ** attempt);
+  const delay = Math.min(retry.maxDelayMs, retry.firstDelayMs * 2 ** attempt);
+  return delay / 2 + Math.random() * (delay / 2);
 }
 
 function tlsFromEnv(): TlsOptions | undefined {

@@ -183,6 +183,19 @@ test('Unavailable after the retries says when to come back', async (t) => {
     (error) => error instanceof Unavailable && error.code === 14 && error.retryAfterMs === 500);
 });
 
+test('each retry waits at least half its delay (equal jitter)', () => {
+  // The compiled module beside the package's entry point (the exports map
+  // keeps it out of the public API).
+  const { backoff } = require(path.join(path.dirname(require.resolve('@dedupd/client')), 'connection.js'));
+  const retry = { attempts: 8, firstDelayMs: 100, maxDelayMs: 1000 };
+  for (let attempt = 0; attempt < 7; attempt += 1) {
+    const delay = Math.min(1000, 100 * 2 ** attempt);
+    const waits = Array.from({ length: 1000 }, () => backoff(retry, attempt));
+    assert.ok(Math.min(...waits) >= delay / 2, `attempt ${attempt}: ${Math.min(...waits)} < ${delay / 2}`);
+    assert.ok(Math.max(...waits) <= delay, `attempt ${attempt}: ${Math.max(...waits)} > ${delay}`);
+  }
+});
+
 test('a call rides out a sidecar restart', async (t) => {
   const dir = tempDir(t);
   const listen = `127.0.0.1:${await freePort()}`;

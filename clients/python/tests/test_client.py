@@ -194,6 +194,17 @@ def test_unavailable_after_the_retries_says_when_to_come_back() -> None:
     assert time.monotonic() - started < 10
 
 
+def test_each_retry_waits_at_least_half_its_delay() -> None:
+    """Equal jitter: the retries of a policy ride out at least half the
+    sum of its delays, whatever the draws (full jitter could wait nothing)."""
+    retry = dedupd.Retry(attempts=8, first_delay=0.1, max_delay=1.0)
+    for attempt in range(7):
+        delay = min(1.0, 0.1 * 2**attempt)
+        waits = [retry.delay(attempt) for _ in range(1000)]
+        assert min(waits) >= delay / 2, (attempt, min(waits))
+        assert max(waits) <= delay, (attempt, max(waits))
+
+
 def test_a_call_rides_out_a_sidecar_restart(workdir: pathlib.Path) -> None:
     listen = f"127.0.0.1:{free_port()}"
     first = start(workdir, listen)

@@ -67,8 +67,13 @@ class Retry:
     max_delay: float = 2.0
 
     def delay(self, attempt: int) -> float:
-        """Exponential with full jitter: the wait before retry `attempt` (0-based)."""
-        return random.uniform(0, min(self.max_delay, self.first_delay * 2**attempt))
+        """The wait before retry `attempt` (0-based): exponential with equal
+        jitter — at least half the delay, so `attempts` and the delays
+        promise a least time the retries ride out (a sidecar restart); with
+        full jitter every wait could be close to nothing and the retries end
+        before the sidecar is back."""
+        delay: float = min(self.max_delay, self.first_delay * 2**attempt)
+        return delay / 2 + random.uniform(0, delay / 2)
 
 
 def target(address: Optional[str], tls: Optional[TLS]) -> Tuple[str, Optional[TLS]]:
