@@ -200,7 +200,10 @@ test('a call rides out a sidecar restart', async (t) => {
   const dir = tempDir(t);
   const listen = `127.0.0.1:${await freePort()}`;
   const first = await startSidecar(t, dir, listen);
-  const dedup = new Client({ address: listen, retry: { attempts: 8, firstDelayMs: 100, maxDelayMs: 1000 } });
+  // Nine waits of at least 50, 100, 200, 400 and 500 ms × 5: 3.25 s at
+  // least, for a restart 0.5 s away plus a debug build's start-up on a
+  // loaded machine and the channel's own reconnect backoff.
+  const dedup = new Client({ address: listen, retry: { attempts: 10, firstDelayMs: 100, maxDelayMs: 1000 } });
   t.after(() => dedup.close());
   assert.equal((await dedup.process('before', () => '1')).toString(), '1');
   await first.stop();
