@@ -208,8 +208,9 @@ def test_each_retry_waits_at_least_half_its_delay() -> None:
 def test_a_call_rides_out_a_sidecar_restart(workdir: pathlib.Path) -> None:
     listen = f"127.0.0.1:{free_port()}"
     first = start(workdir, listen)
-    # Nine waits of at least 3.25 s in all (equal jitter) for a restart 0.5 s
-    # away plus a debug build's start-up on a loaded machine.
+    # Nine waits adding up to at least 3.25 s (equal jitter) for a restart
+    # 0.5 s away plus a debug build's start-up on a loaded machine and the
+    # channel's own reconnect backoff.
     with dedupd.Client(listen, retry=dedupd.Retry(attempts=10, first_delay=0.1, max_delay=1.0)) as client:
         assert client.process("before", lambda c: b"1") == b"1"
         first.stop()
