@@ -551,38 +551,45 @@ impl SledStore {
             .map(|bytes| decode_u64(&bytes))
             .transpose()?;
         let replayed = wal::replay(&wal_dir, |frames| {
-            // Only a key's last change in a segment is applied (a claim and
-            // its commit are usually two frames of one segment): start-up
-            // after a crash is mostly these reads of sled. Every record
-            // frame still counts for the tokens.
-            let mut last_change = std::collections::HashMap::with_capacity(frames.len());
-            for (index, frame) in frames.iter().enumerate() {
-                if let (Tree::Records, Some(value)) = (frame.tree, frame.value) {
-                    highest_token = highest_token.max(decode_record(value)?.fencing_token.0);
-                }
-                last_change.insert((frame.tree, frame.key), index);
-            }
-            for (index, frame) in frames.iter().enumerate() {
-                if last_change.get(&(frame.tree, frame.key)) != Some(&index) {
-                    continue;
-                }
-                let tree: &sled::Tree = match frame.tree {
-                    Tree::Meta => &db,
-                    Tree::Records => &records,
-                    Tree::Marks => &marks,
-                };
-                // After a kill -9 sled holds nearly all of it already: a
-                // change it has is not written again (sled's log would grow
-                // by the whole replay, on a disk that may be at its reserve).
-                let current = tree.get(frame.key)?;
-                match frame.value {
-                    Some(value) if current.as_deref() != Some(value) => {
-                        tree.insert(frame.key, value)?;
+            // Only a key's last change in a run of frames is applied (a
+            // claim and its commit are usually two frames close together):
+            // start-up after a crash is mostly these reads of sled. Runs,
+            // not the whole segment, so the map stays small: a segment's
+            // 133 000 frames took a 10 MB map at the open's peak (heap
+            // profile, docs/memory.md); runs applied in order leave each
+            // key at its last change all the same. Every record frame
+            // still counts for the tokens.
+            let mut last_change = std::collections::HashMap::with_capacity(REPLAY_RUN_FRAMES);
+            for frames in frames.chunks(REPLAY_RUN_FRAMES) {
+                last_change.clear();
+                for (index, frame) in frames.iter().enumerate() {
+                    if let (Tree::Records, Some(value)) = (frame.tree, frame.value) {
+                        highest_token = highest_token.max(decode_record(value)?.fencing_token.0);
                     }
-                    None if current.is_some() => {
-                        tree.remove(frame.key)?;
+                    last_change.insert((frame.tree, frame.key), index);
+                }
+                for (index, frame) in frames.iter().enumerate() {
+                    if last_change.get(&(frame.tree, frame.key)) != Some(&index) {
+                        continue;
                     }
-                    _ => {}
+                    let tree: &sled::Tree = match frame.tree {
+                        Tree::Meta => &db,
+                        Tree::Records => &records,
+                        Tree::Marks => &marks,
+                    };
+                    // After a kill -9 sled holds nearly all of it already: a
+                    // change it has is not written again (sled's log would grow
+                    // by the whole replay, on a disk that may be at its reserve).
+                    let current = tree.get(frame.key)?;
+                    match frame.value {
+                        Some(value) if current.as_deref() != Some(value) => {
+                            tree.insert(frame.key, value)?;
+                        }
+                        None if current.is_some() => {
+                            tree.remove(frame.key)?;
+                        }
+                        _ => {}
+                    }
                 }
             }
             Ok(())
@@ -1561,6 +1568,9 @@ fn spawn_committer(
 /// On a disk close to its reserve, a checkpoint starts once this much log
 /// was written, to give the log's space back.
 const TIGHT_CHECKPOINT_BYTES: u64 = 1 << 20;
+/// Frames of the log replayed as one run (see the replay in
+/// [`SledStore::open_observed`]): about 1 MB of map and frames at a time.
+const REPLAY_RUN_FRAMES: usize = 16_384;
 
 /// How often the committer looks whether a checkpoint is due while idle.
 const CHECKPOINT_POLL: Duration = Duration::from_millis(100);
@@ -2291,6 +2301,67 @@ mod tests {
             "the last of two changes"
         );
         assert!(store.issue_fencing().unwrap().0 > high);
+    }
+
+    /// The replay keeps its last-change map per run of frames: a key
+    /// changed on both sides of a run's end ends at its last change.
+    #[tokio::test]
+    async fn a_key_changed_across_replay_runs_ends_at_its_last_change() {
+        let dir = tempfile::tempdir().unwrap();
+        let (gone, kept) = (claim_request("gone").key, claim_request("kept").key);
+        let template = {
+            let store = store(dir.path());
+            let engine = Engine::new(
+                Arc::new(store.clone()),
+                Arc::new(ManualClock::new(UnixMillis(1_000_000))),
+            );
+            engine.claim(&claim_request("gone")).await.unwrap();
+            let ClaimOutcome::Claimed { record, .. } =
+                engine.claim(&claim_request("kept")).await.unwrap()
+            else {
+                panic!("a fresh key is claimable");
+            };
+            store.close().await.unwrap();
+            record
+        };
+        let with_token = |token| {
+            encode_record(&Record {
+                fencing_token: FencingToken(token),
+                ..template.clone()
+            })
+        };
+        let (gone_bytes, kept_bytes) = (gone.to_bytes(), kept.to_bytes());
+        let (nine, eight) = (with_token(9), with_token(8));
+        // Run one: `kept` at 9 in its last frame; run two: `gone`
+        // removed, `kept` at 8.
+        let mut frames = Vec::new();
+        let mut lsn = 0;
+        let mut frame = |frames: &mut Vec<u8>, tree, key: &[u8], value: Option<&[u8]>| {
+            lsn += 1;
+            wal::encode_frame(frames, lsn, tree, key, value);
+        };
+        for filler in 0..REPLAY_RUN_FRAMES - 1 {
+            let value = (filler as u64).to_le_bytes();
+            frame(&mut frames, Tree::Meta, b"test/filler", Some(&value));
+        }
+        frame(&mut frames, Tree::Records, &kept_bytes, Some(&nine));
+        frame(&mut frames, Tree::Records, &gone_bytes, None);
+        frame(&mut frames, Tree::Records, &kept_bytes, Some(&eight));
+        let mut writer = wal::Writer::create(&dir.path().join(wal::WAL_DIR), 1, 1).unwrap();
+        writer.write(&frames).unwrap();
+        writer.sync().unwrap();
+        drop(writer);
+
+        let store = reopen(dir.path()).await;
+        assert!(
+            store.get(&gone).await.unwrap().is_none(),
+            "removed in run two"
+        );
+        assert_eq!(
+            store.get(&kept).await.unwrap().unwrap().fencing_token,
+            FencingToken(8),
+            "run two's change, after run one's"
+        );
     }
 
     /// Counts group commits (each is one log sync).
