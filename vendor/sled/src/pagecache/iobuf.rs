@@ -832,6 +832,12 @@ impl IoBufs {
     }
 
     pub(in crate::pagecache) fn current_iobuf(&self) -> Arc<IoBuf> {
+        // dedupd: pinned, so the buffer cannot be freed between the load
+        // and the increment below. Most callers are pinned already; the
+        // flusher's `roll_iobuf` and `make_stable` were not, which only a
+        // bag that held sealed buffers for a long time made safe in
+        // practice (change 6 in DEDUPD.md frees them sooner).
+        let _guard = pin();
         // we bump up the ref count, and forget the arc to retain a +1.
         // If we didn't forget it, it would then go back down again,
         // even though we just created a new reference to it, leading
@@ -1151,21 +1157,23 @@ pub(in crate::pagecache) fn maybe_seal_and_write_iobuf(
 
     let old_arc = unsafe { Arc::from_raw(old_ptr) };
 
-    // dedupd: the bag is flushed, as `write_to_log` flushes its own. A
-    // deferred function waits in this thread's local bag until 64 have
-    // gathered there; the buffer (512 KiB, shared by every IoBuf cut from
-    // it) lives until each of them has run. A thread that seals and defers
-    // little else (sled's flusher, every 500 ms; dedupd's checkpoint) kept
-    // up to 64 sealed buffers alive: 70 MB of a 124 MiB peak in a heap
-    // profile of benches/memory.sh (docs/memory.md).
+    // dedupd: the bag is flushed (below, once the mutex is released), as
+    // `write_to_log` flushes its own. A deferred function waits in this
+    // thread's local bag until the bag is full (64); the buffer (512 KiB,
+    // shared by every IoBuf cut from it) lives until then. Sealed buffers
+    // kept so were 70 MB of a 130 MB peak in a heap profile of
+    // benches/memory.sh (docs/memory.md). Flushed, the bag goes to the
+    // global queue, whose functions run once two epochs have passed: no
+    // thread pinned when the pointer was swapped can still be reading it.
     let guard = pin();
     guard.defer(move || drop(old_arc));
-    guard.flush();
-    drop(guard);
 
     // having held the mutex makes this linearized
     // with the notify below.
     drop(intervals);
+
+    guard.flush();
+    drop(guard);
 
     let _notified = iobufs.interval_updated.notify_all();
 
