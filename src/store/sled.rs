@@ -2232,28 +2232,7 @@ mod tests {
     #[tokio::test]
     async fn the_replay_applies_each_keys_last_change_and_counts_every_token() {
         let dir = tempfile::tempdir().unwrap();
-        let (gone, kept) = (claim_request("gone").key, claim_request("kept").key);
-        let template = {
-            let store = store(dir.path());
-            let engine = Engine::new(
-                Arc::new(store.clone()),
-                Arc::new(ManualClock::new(UnixMillis(1_000_000))),
-            );
-            engine.claim(&claim_request("gone")).await.unwrap();
-            let ClaimOutcome::Claimed { record, .. } =
-                engine.claim(&claim_request("kept")).await.unwrap()
-            else {
-                panic!("a fresh key is claimable");
-            };
-            store.close().await.unwrap();
-            record
-        };
-        let with_token = |token| {
-            encode_record(&Record {
-                fencing_token: FencingToken(token),
-                ..template.clone()
-            })
-        };
+        let (gone, kept, with_token) = gone_and_kept(dir.path()).await;
         // A log as a crash leaves it (the close checkpointed and removed
         // the last one): sled holds both keys, the log says otherwise.
         let high = 50 * FENCE_BLOCK;
@@ -2304,33 +2283,38 @@ mod tests {
         assert!(store.issue_fencing().unwrap().0 > high);
     }
 
+    /// A store closed cleanly holding two claimed keys, `gone` and `kept`,
+    /// and a function encoding `kept`'s record with another token: what the
+    /// replay tests write into a log as a crash would leave it.
+    async fn gone_and_kept(path: &Path) -> (Key, Key, impl Fn(u64) -> Vec<u8>) {
+        let (gone, kept) = (claim_request("gone").key, claim_request("kept").key);
+        let store = store(path);
+        let engine = Engine::new(
+            Arc::new(store.clone()),
+            Arc::new(ManualClock::new(UnixMillis(1_000_000))),
+        );
+        engine.claim(&claim_request("gone")).await.unwrap();
+        let ClaimOutcome::Claimed { record, .. } =
+            engine.claim(&claim_request("kept")).await.unwrap()
+        else {
+            panic!("a fresh key is claimable");
+        };
+        store.close().await.unwrap();
+        let with_token = move |token| {
+            encode_record(&Record {
+                fencing_token: FencingToken(token),
+                ..record.clone()
+            })
+        };
+        (gone, kept, with_token)
+    }
+
     /// The replay keeps its last-change map per run of frames: a key
     /// changed on both sides of a run's end ends at its last change.
     #[tokio::test]
     async fn a_key_changed_across_replay_runs_ends_at_its_last_change() {
         let dir = tempfile::tempdir().unwrap();
-        let (gone, kept) = (claim_request("gone").key, claim_request("kept").key);
-        let template = {
-            let store = store(dir.path());
-            let engine = Engine::new(
-                Arc::new(store.clone()),
-                Arc::new(ManualClock::new(UnixMillis(1_000_000))),
-            );
-            engine.claim(&claim_request("gone")).await.unwrap();
-            let ClaimOutcome::Claimed { record, .. } =
-                engine.claim(&claim_request("kept")).await.unwrap()
-            else {
-                panic!("a fresh key is claimable");
-            };
-            store.close().await.unwrap();
-            record
-        };
-        let with_token = |token| {
-            encode_record(&Record {
-                fencing_token: FencingToken(token),
-                ..template.clone()
-            })
-        };
+        let (gone, kept, with_token) = gone_and_kept(dir.path()).await;
         let (gone_bytes, kept_bytes) = (gone.to_bytes(), kept.to_bytes());
         let (nine, eight) = (with_token(9), with_token(8));
         // Run one: `kept` at 9 in its last frame; run two: `gone`
