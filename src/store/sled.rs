@@ -553,43 +553,40 @@ impl SledStore {
         let replayed = wal::replay(&wal_dir, |frames| {
             // Only a key's last change in a run of frames is applied (a
             // claim and its commit are usually two frames close together):
-            // start-up after a crash is mostly these reads of sled. Runs,
-            // not the whole segment, so the map stays small: a segment's
+            // start-up after a crash is mostly these reads of sled. Per
+            // run, not per segment, so the map stays small: a segment's
             // 133 000 frames took a 10 MB map at the open's peak (heap
             // profile, docs/memory.md); runs applied in order leave each
             // key at its last change all the same. Every record frame
             // still counts for the tokens.
-            let mut last_change = std::collections::HashMap::with_capacity(REPLAY_RUN_FRAMES);
-            for frames in frames.chunks(REPLAY_RUN_FRAMES) {
-                last_change.clear();
-                for (index, frame) in frames.iter().enumerate() {
-                    if let (Tree::Records, Some(value)) = (frame.tree, frame.value) {
-                        highest_token = highest_token.max(decode_record(value)?.fencing_token.0);
-                    }
-                    last_change.insert((frame.tree, frame.key), index);
+            let mut last_change = std::collections::HashMap::with_capacity(frames.len());
+            for (index, frame) in frames.iter().enumerate() {
+                if let (Tree::Records, Some(value)) = (frame.tree, frame.value) {
+                    highest_token = highest_token.max(decode_record(value)?.fencing_token.0);
                 }
-                for (index, frame) in frames.iter().enumerate() {
-                    if last_change.get(&(frame.tree, frame.key)) != Some(&index) {
-                        continue;
+                last_change.insert((frame.tree, frame.key), index);
+            }
+            for (index, frame) in frames.iter().enumerate() {
+                if last_change.get(&(frame.tree, frame.key)) != Some(&index) {
+                    continue;
+                }
+                let tree: &sled::Tree = match frame.tree {
+                    Tree::Meta => &db,
+                    Tree::Records => &records,
+                    Tree::Marks => &marks,
+                };
+                // After a kill -9 sled holds nearly all of it already: a
+                // change it has is not written again (sled's log would grow
+                // by the whole replay, on a disk that may be at its reserve).
+                let current = tree.get(frame.key)?;
+                match frame.value {
+                    Some(value) if current.as_deref() != Some(value) => {
+                        tree.insert(frame.key, value)?;
                     }
-                    let tree: &sled::Tree = match frame.tree {
-                        Tree::Meta => &db,
-                        Tree::Records => &records,
-                        Tree::Marks => &marks,
-                    };
-                    // After a kill -9 sled holds nearly all of it already: a
-                    // change it has is not written again (sled's log would grow
-                    // by the whole replay, on a disk that may be at its reserve).
-                    let current = tree.get(frame.key)?;
-                    match frame.value {
-                        Some(value) if current.as_deref() != Some(value) => {
-                            tree.insert(frame.key, value)?;
-                        }
-                        None if current.is_some() => {
-                            tree.remove(frame.key)?;
-                        }
-                        _ => {}
+                    None if current.is_some() => {
+                        tree.remove(frame.key)?;
                     }
+                    _ => {}
                 }
             }
             Ok(())
@@ -1568,11 +1565,6 @@ fn spawn_committer(
 /// On a disk close to its reserve, a checkpoint starts once this much log
 /// was written, to give the log's space back.
 const TIGHT_CHECKPOINT_BYTES: u64 = 1 << 20;
-/// Frames of the log replayed as one run (see the replay in
-/// [`SledStore::open_observed`]): its last-change map stays near 1 MB
-/// (the segment's bytes and frames are still held whole).
-const REPLAY_RUN_FRAMES: usize = 16_384;
-
 /// How often the committer looks whether a checkpoint is due while idle.
 const CHECKPOINT_POLL: Duration = Duration::from_millis(100);
 
@@ -2325,7 +2317,7 @@ mod tests {
             lsn += 1;
             wal::encode_frame(frames, lsn, tree, key, value);
         };
-        for filler in 0..REPLAY_RUN_FRAMES - 1 {
+        for filler in 0..wal::RUN_FRAMES - 1 {
             let value = (filler as u64).to_le_bytes();
             frame(&mut frames, Tree::Meta, b"test/filler", Some(&value));
         }
@@ -2340,7 +2332,7 @@ mod tests {
         let store = reopen(dir.path()).await;
         assert_eq!(
             store.inner.db.get(b"test/filler").unwrap().as_deref(),
-            Some(&((REPLAY_RUN_FRAMES - 2) as u64).to_le_bytes()[..]),
+            Some(&((wal::RUN_FRAMES - 2) as u64).to_le_bytes()[..]),
             "run one's last change applied"
         );
         assert!(

@@ -52,6 +52,13 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use super::disk::Capacity;
 use crate::error::Error;
 
+mod replay;
+pub(super) use replay::replay;
+#[cfg(test)]
+pub(super) use replay::{Replayed, RUN_FRAMES};
+#[cfg(test)]
+use replay::{RUN_BYTES, SCAN_BYTES};
+
 /// The log's directory inside the data directory.
 pub(super) const WAL_DIR: &str = "wal";
 
@@ -181,72 +188,6 @@ pub(super) fn encode_frame(
     buffer[start + 4..start + HEADER_BYTES].copy_from_slice(&crc.to_le_bytes());
 }
 
-/// What decoding at one offset found.
-#[derive(Debug, PartialEq, Eq)]
-enum Decoded<'a> {
-    /// A whole frame, and the offset after it.
-    Frame(Frame<'a>, usize),
-    /// Zeros: the preallocated rest of a segment.
-    End,
-    /// Not a frame: short, wrong checksum, or unreadable payload.
-    Bad(&'static str),
-}
-
-fn decode_at(bytes: &[u8], offset: usize) -> Decoded<'_> {
-    let rest = &bytes[offset..];
-    if rest.len() < HEADER_BYTES {
-        return if rest.iter().all(|&byte| byte == 0) {
-            Decoded::End
-        } else {
-            Decoded::Bad("a frame header cut short")
-        };
-    }
-    let payload_len = u32::from_le_bytes(rest[..4].try_into().expect("4 bytes")) as usize;
-    let crc = u32::from_le_bytes(rest[4..8].try_into().expect("4 bytes"));
-    if payload_len == 0 {
-        return if crc == 0 {
-            Decoded::End
-        } else {
-            Decoded::Bad("a frame of length zero")
-        };
-    }
-    if payload_len < FIXED_PAYLOAD_BYTES {
-        return Decoded::Bad("a frame shorter than its fixed fields");
-    }
-    let Some(payload) = rest.get(HEADER_BYTES..HEADER_BYTES + payload_len) else {
-        return Decoded::Bad("a frame cut short");
-    };
-    if crc32c::crc32c(payload) != crc {
-        return Decoded::Bad("a frame whose checksum does not match");
-    }
-    let lsn = u64::from_le_bytes(payload[..8].try_into().expect("8 bytes"));
-    let Some(tree) = Tree::from_byte(payload[8]) else {
-        return Decoded::Bad("a frame naming an unknown tree");
-    };
-    let put = match payload[9] {
-        0 => false,
-        1 => true,
-        _ => return Decoded::Bad("a frame with an unknown operation"),
-    };
-    let key_len = u32::from_le_bytes(payload[10..14].try_into().expect("4 bytes")) as usize;
-    let Some(key) = payload.get(FIXED_PAYLOAD_BYTES..FIXED_PAYLOAD_BYTES + key_len) else {
-        return Decoded::Bad("a frame whose key runs past its end");
-    };
-    let value = &payload[FIXED_PAYLOAD_BYTES + key_len..];
-    if !put && !value.is_empty() {
-        return Decoded::Bad("a removal carrying a value");
-    }
-    Decoded::Frame(
-        Frame {
-            lsn,
-            tree,
-            key,
-            value: put.then_some(value),
-        },
-        offset + HEADER_BYTES + payload_len,
-    )
-}
-
 /// The segments in `directory`, oldest first.
 pub(super) fn segments(directory: &Path) -> Result<Vec<(u64, PathBuf)>, Error> {
     let entries = match std::fs::read_dir(directory) {
@@ -273,301 +214,6 @@ pub(super) fn segments(directory: &Path) -> Result<Vec<(u64, PathBuf)>, Error> {
 
 fn segment_path(directory: &Path, sequence: u64) -> PathBuf {
     directory.join(format!("{sequence:020}.wal"))
-}
-
-/// What [`replay`] found.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub(super) struct Replayed {
-    /// Frames read and checked (the caller may apply fewer).
-    pub frames: u64,
-    /// Bytes of those frames.
-    pub bytes: u64,
-    /// The last segment's sequence number (0: no segment).
-    pub last_segment: u64,
-    /// The LSN after the last frame applied.
-    pub next_lsn: u64,
-    /// The group number after the last group read (1: none).
-    pub next_group: u64,
-    /// Where the log ended on a torn group or frame, and why.
-    pub torn: Option<(PathBuf, usize, &'static str)>,
-}
-
-/// A group header read and checked against its frames.
-struct Group<'a> {
-    number: u64,
-    frames: &'a [u8],
-    /// The offset after the group.
-    next: usize,
-}
-
-/// Reads the group at `offset`: `Ok(None)` when the header is all zeros
-/// (the unwritten rest of a segment), `Err` when it is not a whole group.
-fn group_at(bytes: &[u8], offset: usize, magic: u32) -> Result<Option<Group<'_>>, &'static str> {
-    let rest = &bytes[offset..];
-    let header = &rest[..rest.len().min(GROUP_HEADER_BYTES)];
-    if header.iter().all(|&byte| byte == 0) {
-        return Ok(None);
-    }
-    if header.len() < GROUP_HEADER_BYTES {
-        return Err("a group header cut short");
-    }
-    if u32::from_le_bytes(header[..4].try_into().expect("4 bytes")) != magic {
-        return Err("no group header where one was due");
-    }
-    let number = u64::from_le_bytes(header[4..12].try_into().expect("8 bytes"));
-    let len = u32::from_le_bytes(header[12..16].try_into().expect("4 bytes")) as usize;
-    let crc = u32::from_le_bytes(header[16..20].try_into().expect("4 bytes"));
-    let Some(frames) = rest.get(GROUP_HEADER_BYTES..GROUP_HEADER_BYTES + len) else {
-        return Err("a group cut short");
-    };
-    if group_crc(&header[4..16], frames) != crc {
-        return Err("a group whose checksum does not match");
-    }
-    Ok(Some(Group {
-        number,
-        frames,
-        next: offset + GROUP_HEADER_BYTES + len,
-    }))
-}
-
-/// A group's checksum: of its number and length, then its frames (a
-/// damaged number must not read as a gap in a whole log).
-fn group_crc(number_and_len: &[u8], frames: &[u8]) -> u32 {
-    crc32c::crc32c_append(crc32c::crc32c(number_and_len), frames)
-}
-
-/// Whether a whole group numbered `after` or a little later starts
-/// anywhere in `bytes` from `from` on: the proof that what stopped the
-/// replay before it was not the torn tail.
-fn later_group(bytes: &[u8], from: usize, after: u64, magic: u32) -> Option<usize> {
-    let pattern = magic.to_le_bytes();
-    let mut at = from;
-    while at + GROUP_HEADER_BYTES <= bytes.len() {
-        let found = bytes[at..]
-            .windows(4)
-            .position(|window| window == pattern)?;
-        at += found;
-        if let Ok(Some(group)) = group_at(bytes, at, magic) {
-            if (after..after.saturating_add(LATER_GROUP_RANGE)).contains(&group.number) {
-                return Some(at);
-            }
-        }
-        at += 1;
-    }
-    None
-}
-
-/// The group magic of a segment written with group headers (`None`: the
-/// frames-only format before them, or a creation cut short).
-fn group_magic(bytes: &[u8]) -> Option<u32> {
-    let magic = bytes
-        .strip_prefix(SEGMENT_MAGIC)?
-        .get(..4)
-        .map(|magic| u32::from_le_bytes(magic.try_into().expect("4 bytes")))?;
-    (magic != 0).then_some(magic)
-}
-
-/// Whether a segment holds anything past its header: one that does not is
-/// a creation cut short, and ignored.
-fn holds_anything(bytes: &[u8]) -> bool {
-    let start = if bytes.starts_with(SEGMENT_MAGIC) {
-        SEGMENT_HEADER_BYTES.min(bytes.len())
-    } else {
-        0
-    };
-    bytes[start..].iter().any(|&byte| byte != 0)
-}
-
-/// The first whole group numbered from `after` in the segments of `later`
-/// (read one at a time: this runs only when the log has a bad group).
-fn later_group_in(later: &[(u64, PathBuf)], after: u64) -> Result<Option<(PathBuf, usize)>, Error> {
-    for (_, path) in later {
-        let bytes = std::fs::read(path)?;
-        if let Some(magic) = group_magic(&bytes) {
-            if let Some(at) = later_group(&bytes, SEGMENT_HEADER_BYTES, after, magic) {
-                return Ok(Some((path.clone(), at)));
-            }
-        }
-    }
-    Ok(None)
-}
-
-/// Calls `apply` with the frames of each segment in `directory`, segment
-/// by segment, in order, stopping at a torn tail (see the module docs).
-/// Every frame is checked before any of its segment is applied; one
-/// segment is in memory at a time.
-pub(super) fn replay(
-    directory: &Path,
-    mut apply: impl FnMut(&[Frame<'_>]) -> Result<(), Error>,
-) -> Result<Replayed, Error> {
-    let segments = segments(directory)?;
-    let last_sequence = segments.last().map_or(0, |(sequence, _)| *sequence);
-    let mut replayed = Replayed::default();
-    let mut lsns = LsnCheck::default();
-    let mut next_group: Option<u64> = None;
-    'segments: for (index, (sequence, path)) in segments.iter().enumerate() {
-        let bytes = std::fs::read(path)?;
-        let later = &segments[index + 1..];
-        let mut frames = Vec::new();
-        if let Some(magic) = group_magic(&bytes) {
-            let mut offset = SEGMENT_HEADER_BYTES;
-            loop {
-                let stopped = match group_at(&bytes, offset, magic) {
-                    Ok(Some(group)) if next_group.is_some_and(|next| group.number != next) => {
-                        return Err(Error::Corrupt(format!(
-                            "write-ahead log {} at byte {offset}: group {} where {} was next; \
-                             refusing to open over a log with a gap",
-                            path.display(),
-                            group.number,
-                            next_group.unwrap_or_default()
-                        )));
-                    }
-                    Ok(Some(group)) => {
-                        decode_group(group.frames, path, offset, &mut lsns, &mut frames)?;
-                        next_group = Some(group.number + 1);
-                        offset = group.next;
-                        continue;
-                    }
-                    Ok(None) => None,
-                    Err(what) => Some(what),
-                };
-                // The segment's groups end here: zeros, or a group that is
-                // not whole. Either is the log's end only if no whole
-                // later group follows: zeros, in this segment (they end a
-                // segment that was full, and the next goes on); a bad
-                // group, in this segment or any later one.
-                let after = next_group.unwrap_or(0);
-                let mut found =
-                    later_group(&bytes, offset + 1, after, magic).map(|at| (path.clone(), at));
-                if found.is_none() && stopped.is_some() {
-                    found = later_group_in(later, after)?;
-                }
-                match (stopped, found) {
-                    (_, Some((later_path, at))) => {
-                        return Err(Error::Corrupt(format!(
-                            "write-ahead log {} at byte {offset}: {}, and a whole later group \
-                             follows ({} at byte {at}); refusing to open over a damaged log",
-                            path.display(),
-                            stopped.unwrap_or("zeros where a group was due"),
-                            later_path.display()
-                        )));
-                    }
-                    (Some(what), None) => {
-                        apply(&frames)?;
-                        replayed.torn = Some((path.clone(), offset, what));
-                        // Later segments hold no group (checked above); a
-                        // new writer starts after all of them.
-                        replayed.last_segment = last_sequence;
-                        break 'segments;
-                    }
-                    (None, None) => break,
-                }
-            }
-        } else {
-            let mut offset = 0;
-            loop {
-                match decode_at(&bytes, offset) {
-                    Decoded::Frame(frame, next) => {
-                        lsns.take(frame, next - offset, path, offset, &mut frames)?;
-                        offset = next;
-                    }
-                    Decoded::End => break,
-                    Decoded::Bad(what) => {
-                        // A bad frame ends the log only in the last segment
-                        // that holds anything (this format has no groups).
-                        for (_, later_path) in later {
-                            if holds_anything(&std::fs::read(later_path)?) {
-                                return Err(Error::Corrupt(format!(
-                                    "write-ahead log {} at byte {offset}: {what}, and later \
-                                     segments follow; refusing to open over a damaged log",
-                                    path.display()
-                                )));
-                            }
-                        }
-                        apply(&frames)?;
-                        replayed.torn = Some((path.clone(), offset, what));
-                        replayed.last_segment = last_sequence;
-                        break 'segments;
-                    }
-                }
-            }
-        }
-        apply(&frames)?;
-        replayed.last_segment = *sequence;
-    }
-    replayed.frames = lsns.frames;
-    replayed.bytes = lsns.bytes;
-    replayed.next_lsn = lsns.expected.unwrap_or(1);
-    replayed.next_group = next_group.unwrap_or(1);
-    Ok(replayed)
-}
-
-/// Frames counted and their LSNs checked to rise by one.
-#[derive(Default)]
-struct LsnCheck {
-    expected: Option<u64>,
-    frames: u64,
-    bytes: u64,
-}
-
-impl LsnCheck {
-    /// Checks `frame` (`len` bytes, read at `offset` of `path`) and adds it.
-    fn take<'a>(
-        &mut self,
-        frame: Frame<'a>,
-        len: usize,
-        path: &Path,
-        offset: usize,
-        frames: &mut Vec<Frame<'a>>,
-    ) -> Result<(), Error> {
-        self.check(frame.lsn, path, offset)?;
-        self.bytes += len as u64;
-        frames.push(frame);
-        Ok(())
-    }
-
-    fn check(&mut self, lsn: u64, path: &Path, offset: usize) -> Result<(), Error> {
-        if let Some(expected) = self.expected {
-            if lsn != expected {
-                return Err(Error::Corrupt(format!(
-                    "write-ahead log {} at byte {offset}: LSN {lsn} where {expected} was next; \
-                     refusing to open over a log with a gap",
-                    path.display()
-                )));
-            }
-        }
-        self.expected = Some(lsn + 1);
-        self.frames += 1;
-        Ok(())
-    }
-}
-
-/// Decodes the frames of one whole group (its checksum matched): anything
-/// wrong inside it is corruption, not a tear.
-fn decode_group<'a>(
-    bytes: &'a [u8],
-    path: &Path,
-    group_offset: usize,
-    lsns: &mut LsnCheck,
-    frames: &mut Vec<Frame<'a>>,
-) -> Result<(), Error> {
-    let mut offset = 0;
-    while offset < bytes.len() {
-        match decode_at(bytes, offset) {
-            Decoded::Frame(frame, next) => {
-                lsns.take(frame, next - offset, path, group_offset, frames)?;
-                offset = next;
-            }
-            Decoded::End | Decoded::Bad(_) => {
-                return Err(Error::Corrupt(format!(
-                    "write-ahead log {} at byte {group_offset}: a group whose checksum matches \
-                     holds a frame that does not decode; refusing to open over a damaged log",
-                    path.display()
-                )));
-            }
-        }
-    }
-    Ok(())
 }
 
 /// The segment being written, owned by the committer thread.
@@ -790,6 +436,12 @@ pub(super) fn sync_directory(path: &Path) -> Result<(), Error> {
     Ok(())
 }
 
+/// A group's checksum: of its number and length, then its frames (a
+/// damaged number must not read as a gap in a whole log).
+fn group_crc(number_and_len: &[u8], frames: &[u8]) -> u32 {
+    crc32c::crc32c_append(crc32c::crc32c(number_and_len), frames)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -944,7 +596,7 @@ mod tests {
     fn group_like_bytes_in_an_answer_do_not_turn_a_torn_tail_into_damage() {
         let dir = tempfile::tempdir().unwrap();
         let (path, _) = write_groups(dir.path(), 1, 1, &[frames(1..3)]);
-        let own_magic = group_magic(&std::fs::read(&path).unwrap()).unwrap();
+        let own_magic = replay::group_magic(&std::fs::read(&path).unwrap()).unwrap();
         let fake = |magic: u32, number: u64| {
             let inner = frames(100..101);
             let mut header = Vec::new();
@@ -1059,6 +711,71 @@ mod tests {
         assert_eq!(seen.iter().map(|frame| frame.0).collect::<Vec<_>>(), [4, 5]);
         assert_eq!(replayed.last_segment, 3);
         assert_eq!(replayed.next_group, 4);
+    }
+
+    /// The replay hands the store runs of at most `RUN_FRAMES` frames (or
+    /// about `RUN_BYTES`), across groups and segments and splitting a
+    /// group, in the log's order: what it holds is a run, not a segment.
+    #[test]
+    fn frames_are_applied_in_bounded_runs_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let total = 2 * RUN_FRAMES as u64 + 5;
+        let middle = RUN_FRAMES as u64 + 100;
+        write_groups(dir.path(), 1, 1, &[frames(1..10), frames(10..middle)]);
+        write_groups(dir.path(), 2, 3, &[frames(middle..total + 1)]);
+        let mut runs = Vec::new();
+        let mut lsns = Vec::new();
+        replay(dir.path(), |frames| {
+            runs.push(frames.len());
+            lsns.extend(frames.iter().map(|frame| frame.lsn));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(runs, [RUN_FRAMES, RUN_FRAMES, 5]);
+        assert_eq!(lsns, (1..=total).collect::<Vec<_>>());
+
+        // Large values end a run by its bytes.
+        let dir = tempfile::tempdir().unwrap();
+        let value = vec![7; 1 << 20];
+        let mut big = Vec::new();
+        for lsn in 1..=6 {
+            encode_frame(&mut big, lsn, Tree::Records, b"key", Some(&value));
+        }
+        write_groups(dir.path(), 1, 1, &[big]);
+        let mut runs = Vec::new();
+        replay(dir.path(), |frames| {
+            runs.push(frames.len());
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(runs, [RUN_BYTES >> 20, 6 - (RUN_BYTES >> 20)]);
+    }
+
+    /// The search for a later group reads a segment a chunk at a time: a
+    /// group whose header is cut by a chunk's end is still found.
+    #[test]
+    fn a_later_group_across_the_searchs_chunks_is_found() {
+        for shift in 0..=4 {
+            let dir = tempfile::tempdir().unwrap();
+            // One frame in the damaged group, sized so that the later
+            // group's magic starts `shift` bytes before the end of the
+            // first chunk searched (which starts a byte after the damage).
+            let frame_len = SCAN_BYTES - GROUP_HEADER_BYTES + 1 - shift;
+            let value = vec![3; frame_len - HEADER_BYTES - FIXED_PAYLOAD_BYTES - 1];
+            let mut damaged = Vec::new();
+            encode_frame(&mut damaged, 3, Tree::Records, b"k", Some(&value));
+            assert_eq!(damaged.len(), frame_len);
+            let groups = [frames(1..3), damaged, frames(4..6)];
+            let (path, starts) = write_groups(dir.path(), 1, 1, &groups);
+            assert_eq!(starts[2] - (starts[1] + 1), SCAN_BYTES - shift);
+            flip(&path, starts[1] + GROUP_HEADER_BYTES + 9);
+            let error = collect(dir.path()).unwrap_err().to_string();
+            assert!(
+                error.contains(&format!("at byte {}", starts[1]))
+                    && error.contains("a whole later group follows"),
+                "shift {shift}: {error}"
+            );
+        }
     }
 
     /// Issue 38 item 3: a fresh data directory's log directory is created
