@@ -112,7 +112,8 @@ def keyed_requests(proxy, stop):
         for attempt in range(2):
             request = urllib.request.Request(
                 f"http://{proxy}/orders", data=b'{"amount":1}', method="POST",
-                headers={"Idempotency-Key": f"dash-{n}", "Content-Type": "application/json"})
+                headers={"Idempotency-Key": f"dash-{n}", "Content-Type": "application/json",
+                         "Authorization": "Bearer dashboard"})
             with urllib.request.urlopen(request, timeout=10) as answer:
                 answer.read()
                 replayed = answer.headers.get("Idempotent-Replayed") == "true"

@@ -106,10 +106,10 @@ PY
 for repeat in $(seq 1 "$repeats"); do
   curl -s -o /dev/null -X POST http://127.0.0.1:$proxy_port/orders \
     -H "Idempotency-Key: \"r$$-replay-$connections-$repeat-fixed\"" -H 'Content-Type: application/json' \
-    -d '{"sku":"A1","qty":2,"note":"benchmark order"}'
+    -H 'Authorization: Bearer bench' -d '{"sku":"A1","qty":2,"note":"benchmark order"}'
   curl -s -o /dev/null -X POST http://127.0.0.1:$proxy_port/orders \
     -H "Idempotency-Key: \"r$$-replay-1-$repeat-fixed\"" -H 'Content-Type: application/json' \
-    -d '{"sku":"A1","qty":2,"note":"benchmark order"}'
+    -H 'Authorization: Bearer bench' -d '{"sku":"A1","qty":2,"note":"benchmark order"}'
   for conns in "$connections" 1; do
     run direct $upstream_port $proxy_pid none "$conns" "$repeat"
     run pass-through $proxy_port $proxy_pid none "$conns" "$repeat"
@@ -127,7 +127,7 @@ large_pid=$!
 peak_kib() { awk '/^VmHWM:/ {print $2}' "/proc/$1/status"; }
 large_before=$(peak_kib $large_pid)
 large_bytes=$(curl -s -X POST "http://127.0.0.1:$large_port/orders?bytes=$((96 << 20))" \
-  -H 'Idempotency-Key: large-answer' -H 'Content-Type: application/json' -d '{}' -o /dev/null -w '%{size_download}')
+  -H 'Idempotency-Key: large-answer' -H 'Authorization: Bearer bench' -H 'Content-Type: application/json' -d '{}' -o /dev/null -w '%{size_download}')
 large_after=$(peak_kib $large_pid)
 
 python3 - "$results" "$duration" "$connections" "$repeats" "$(nproc)" "$work" \

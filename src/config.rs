@@ -23,7 +23,7 @@ use crate::{
     listen::ListenAddr,
     memory_budget::MemoryBudget,
     proxy::{
-        idempotency::{CallerScope, KeySyntax, RoutePattern},
+        idempotency::{CallerScope, KeySyntax, ReleaseOn, RoutePattern},
         server::{AfterUnknownOutcome, ProxyConfig},
     },
     server::ConnectionLimits,
@@ -335,9 +335,11 @@ pub struct HttpProxyArgs {
     #[arg(long, env = "DEDUPD_HTTP_PROXY_NAMESPACE", default_value = "http")]
     pub http_proxy_namespace: String,
     /// Who a record belongs to besides method and route: `credentials` (a
-    /// hash of every Authorization value, or of the cookies when there is
-    /// none: two callers never share a record) or `none` (every caller
-    /// shares records: anyone who knows a key gets its answer).
+    /// hash of every Authorization, Proxy-Authorization and X-API-Key value,
+    /// or of the cookies when there is none: two callers never share a
+    /// record; a keyed request with none of them is refused 400) or `none`
+    /// (every caller shares records: anyone who knows a key gets its
+    /// answer).
     #[arg(
         long,
         env = "DEDUPD_HTTP_PROXY_SCOPE",
@@ -354,6 +356,17 @@ pub struct HttpProxyArgs {
         value_delimiter = ','
     )]
     pub http_proxy_scope_header: Vec<String>,
+    /// Request headers that join the payload fingerprint (repeatable or
+    /// comma-separated): an account-selecting header such as
+    /// Stripe-Account, so that the same key and body for another account
+    /// is refused (422), never answered with the first account's answer.
+    #[arg(
+        long,
+        env = "DEDUPD_HTTP_PROXY_FINGERPRINT_HEADER",
+        value_name = "NAME",
+        value_delimiter = ','
+    )]
+    pub http_proxy_fingerprint_header: Vec<String>,
     /// Response headers never stored or replayed, besides Set-Cookie, which
     /// never is (repeatable or comma-separated).
     #[arg(
@@ -379,6 +392,29 @@ pub struct HttpProxyArgs {
         default_value_t = AfterUnknownOutcomeArg::Report
     )]
     pub http_proxy_after_unknown_outcome: AfterUnknownOutcomeArg,
+    /// Answers that say the service did not act, so the key is released and
+    /// a retry is sent again: HTTP statuses (400-599, comma-separated) or
+    /// `none`. Any other answer, 5xx included, is the outcome and replayed;
+    /// 502, 503 and 504 not listed here are "outcome unknown".
+    #[arg(
+        long,
+        env = "DEDUPD_HTTP_PROXY_RELEASE_ON_STATUS",
+        value_name = "STATUSES",
+        default_value = "408,409,425,429",
+        value_delimiter = ','
+    )]
+    pub http_proxy_release_on_status: Vec<String>,
+    /// The same for gRPC calls: codes by name or number (1-16,
+    /// comma-separated) or `none`. CANCELLED, DEADLINE_EXCEEDED and
+    /// UNAVAILABLE not listed here are "outcome unknown".
+    #[arg(
+        long,
+        env = "DEDUPD_HTTP_PROXY_RELEASE_ON_GRPC_CODE",
+        value_name = "CODES",
+        default_value = "RESOURCE_EXHAUSTED,ABORTED",
+        value_delimiter = ','
+    )]
+    pub http_proxy_release_on_grpc_code: Vec<String>,
     /// Longest a client may take to send a request's head, longest an
     /// HTTP/1 connection may sit idle between requests, and longest an
     /// answer may wait for the client to read any of it.
@@ -441,6 +477,67 @@ impl HttpProxyArgs {
         }
     }
 
+    /// `--release-on-status` and `--release-on-grpc-code`.
+    fn release_on(&self) -> Result<ReleaseOn, String> {
+        let listed = |flag: &str, values: &[String]| -> Result<Vec<String>, String> {
+            let values: Vec<String> = values.iter().map(|value| value.trim().to_owned()).collect();
+            match &values[..] {
+                [none] if none.eq_ignore_ascii_case("none") => Ok(Vec::new()),
+                _ if values
+                    .iter()
+                    .any(|value| value.eq_ignore_ascii_case("none")) =>
+                {
+                    Err(format!(
+                        "--{} none cannot be given with other values",
+                        self.flag(flag)
+                    ))
+                }
+                _ => Ok(values),
+            }
+        };
+        let statuses = listed("release-on-status", &self.http_proxy_release_on_status)?
+            .iter()
+            .map(|text| {
+                text.parse::<u16>()
+                    .ok()
+                    .filter(|code| (400..=599).contains(code))
+                    .and_then(|code| http::StatusCode::from_u16(code).ok())
+                    .ok_or_else(|| {
+                        format!(
+                            "--{} {text:?}: a status of 400-599 (an answer that says the service \
+                             did not act), or none",
+                            self.flag("release-on-status")
+                        )
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let grpc_codes = listed(
+            "release-on-grpc-code",
+            &self.http_proxy_release_on_grpc_code,
+        )?
+        .iter()
+        .map(|text| {
+            GRPC_CODE_NAMES
+                .iter()
+                .position(|name| name.eq_ignore_ascii_case(text))
+                .map(|code| code as u32)
+                .or_else(|| text.parse::<u32>().ok())
+                .filter(|code| (1..=16).contains(code))
+                .ok_or_else(|| {
+                    format!(
+                        "--{} {text:?}: a gRPC code other than OK, by name \
+                             (RESOURCE_EXHAUSTED) or number (1-16), or none",
+                        self.flag("release-on-grpc-code")
+                    )
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+        Ok(ReleaseOn {
+            statuses,
+            grpc_codes,
+        })
+    }
+
     /// The proxy's settings, if it is on; the error is one line.
     fn validate(&self, limits: &Limits) -> Result<Option<(SocketAddr, ProxyConfig)>, String> {
         let (Some(listen), Some(upstream)) = (self.http_proxy_listen, &self.http_proxy_upstream)
@@ -496,6 +593,8 @@ impl HttpProxyArgs {
             }
         };
         let never_store = header_names("never-store-header", &self.http_proxy_never_store_header)?;
+        let fingerprint_headers =
+            header_names("fingerprint-header", &self.http_proxy_fingerprint_header)?;
         let header_timeout = check_duration_flag(
             &self.flag("header-timeout"),
             self.http_proxy_header_timeout.into(),
@@ -553,6 +652,7 @@ impl HttpProxyArgs {
                 namespace: self.http_proxy_namespace.clone(),
                 methods,
                 scope,
+                fingerprint_headers,
                 never_store,
                 key_syntax: if self.http_proxy_strict_key_syntax {
                     KeySyntax::Strict
@@ -560,6 +660,7 @@ impl HttpProxyArgs {
                     KeySyntax::Lenient
                 },
                 require_key,
+                release_on: self.release_on()?,
                 lease_ttl: limits.default_lease_ttl,
                 retention,
                 max_response_bytes: self.http_proxy_max_response_bytes,
@@ -578,6 +679,27 @@ impl HttpProxyArgs {
         )))
     }
 }
+
+/// gRPC's status codes by number (`--release-on-grpc-code` takes either).
+const GRPC_CODE_NAMES: [&str; 17] = [
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+];
 
 /// `--http-proxy-scope`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -1045,5 +1167,44 @@ impl ServeArgs {
             )),
             None => Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use crate::command::{Cli, Command};
+
+    /// `--release-on-*` as an operator writes them: names in any case,
+    /// numbers, `none`.
+    #[test]
+    fn release_sets_take_names_numbers_and_none() {
+        let cli = Cli::try_parse_from([
+            "dedupd",
+            "http-proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--upstream",
+            "http://127.0.0.1:1",
+            "--release-on-status",
+            "none",
+            "--release-on-grpc-code",
+            "resource_exhausted, 10,UNAVAILABLE",
+        ])
+        .unwrap();
+        let Some(Command::HttpProxy(mut args)) = cli.command else {
+            panic!("the http-proxy command");
+        };
+        args.http_proxy.standalone = true;
+        let release_on = args.http_proxy.release_on().unwrap();
+        assert!(release_on.statuses.is_empty());
+        assert_eq!(release_on.grpc_codes, [8, 10, 14]);
+
+        let defaults = Cli::try_parse_from(["dedupd"]).unwrap();
+        assert_eq!(
+            defaults.serve.http_proxy.release_on().unwrap(),
+            crate::proxy::idempotency::ReleaseOn::default()
+        );
     }
 }

@@ -22,7 +22,7 @@ use dedupd::{
     clock::SystemClock,
     engine::Engine,
     proxy::{
-        idempotency::{CallerScope, KeySyntax, RoutePattern},
+        idempotency::{CallerScope, KeySyntax, ReleaseOn, RoutePattern},
         server::{serve, AfterUnknownOutcome, ProxyConfig},
     },
     server::ConnectionLimits,
@@ -39,7 +39,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 /// number, slowly enough for retries to overlap; `/slow` answers 201 after
 /// 2.5 s; `/gateway-timeout` answers 504, as a mesh proxy in front of the
 /// service does when the service is slow; `/flaky` answers 500 on its first
-/// call and 201 after; `/stream`
+/// call and 201 after, `/busy` 429 then 201, `/shed` 503 on odd calls and
+/// 201 on even ones; `/stream`
 /// echoes each chunk as it comes; `/cookie` gives the caller a session
 /// cookie and names it in the body; `/big?mib=N` answers N MiB, generated as
 /// it is sent; `/outage` sets `store_down` before answering 201; any other
@@ -156,7 +157,15 @@ async fn upstream() -> Upstream {
                                 "/flaky" if call == 1 => {
                                     (StatusCode::INTERNAL_SERVER_ERROR, "boom".into())
                                 }
-                                "/flaky" => (StatusCode::CREATED, format!("{{\"call\":{call}}}")),
+                                "/busy" if call == 1 => {
+                                    (StatusCode::TOO_MANY_REQUESTS, "slow down".into())
+                                }
+                                "/shed" if call % 2 == 1 => {
+                                    (StatusCode::SERVICE_UNAVAILABLE, "shedding".into())
+                                }
+                                "/flaky" | "/busy" | "/shed" => {
+                                    (StatusCode::CREATED, format!("{{\"call\":{call}}}"))
+                                }
                                 _ => (StatusCode::OK, String::from_utf8_lossy(&body).into_owned()),
                             };
                             let mut response = Response::builder()
@@ -254,8 +263,10 @@ async fn proxy_on<S: Store>(
         namespace: "http".into(),
         methods: vec![Method::POST, Method::PATCH],
         scope: CallerScope::Credentials,
+        fingerprint_headers: Vec::new(),
         never_store: Vec::new(),
         key_syntax: KeySyntax::Lenient,
+        release_on: ReleaseOn::default(),
         require_key: Vec::new(),
         lease_ttl: Duration::from_secs(5),
         retention: Duration::from_secs(3600),
@@ -326,10 +337,13 @@ async fn send(
     }
 }
 
-/// A POST with `key` and no caller: most tests' request.
+/// A POST with `key` from one caller: most tests' request.
 async fn post(address: SocketAddr, path: &str, key: &str, body: &str) -> Answer {
-    send(address, Method::POST, path, Some(key), None, body).await
+    send(address, Method::POST, path, Some(key), Some(CALLER), body).await
 }
+
+/// The caller of [`post`].
+const CALLER: &str = "Bearer test-client";
 
 fn replayed(answer: &Answer) -> bool {
     answer
@@ -392,7 +406,7 @@ async fn json_key_order_does_not_matter_but_another_payload_is_refused() {
         Method::POST,
         "/echo",
         Some("\"k\""),
-        None,
+        Some(CALLER),
         "{ \"b\": [1, 2], \"a\": 1 }",
     )
     .await;
@@ -425,29 +439,114 @@ async fn callers_keys_never_collide() {
     assert_eq!(upstream.calls.get("/echo"), 2);
 }
 
+/// Issue 40 item 1: a service that did the work and then failed (500) is
+/// not run again by a retry — the 500 is the outcome, replayed; only an
+/// answer that says it did not act (429 by default) releases the key.
 #[tokio::test]
-async fn a_server_error_releases_the_key_so_the_retry_runs_again() {
+async fn a_server_error_after_the_work_is_replayed_and_a_429_releases_the_key() {
     let upstream = upstream().await;
     let proxy = proxy(&upstream).await;
     let first = post(proxy.address, "/flaky", "\"f\"", "{}").await;
     assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR);
-    let retry = post(proxy.address, "/flaky", "\"f\"", "{}").await;
+    for _ in 0..2 {
+        let retry = post(proxy.address, "/flaky", "\"f\"", "{}").await;
+        assert_eq!(retry.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(replayed(&retry), "a retry after a 500 is a replay");
+        assert_eq!(retry.body, "boom");
+    }
+    assert_eq!(upstream.calls.get("/flaky"), 1, "the work ran once");
+
+    let busy = post(proxy.address, "/busy", "\"b\"", "{}").await;
+    assert_eq!(busy.status, StatusCode::TOO_MANY_REQUESTS);
+    let retry = post(proxy.address, "/busy", "\"b\"", "{}").await;
     assert_eq!(retry.status, StatusCode::CREATED);
     assert!(!replayed(&retry));
-    assert_eq!(upstream.calls.get("/flaky"), 2);
-    let again = post(proxy.address, "/flaky", "\"f\"", "{}").await;
+    assert_eq!(upstream.calls.get("/busy"), 2);
+    let again = post(proxy.address, "/busy", "\"b\"", "{}").await;
     assert!(replayed(&again));
     assert_eq!(again.body, "{\"call\":2}");
 
     let text = proxy.metrics.render();
-    for (result, count) in [("released", 1), ("forwarded", 1), ("replayed", 1)] {
+    for (result, count) in [("released", 1), ("forwarded", 2), ("replayed", 3)] {
         let line = format!("dedupd_http_proxy_requests_total{{result=\"{result}\"}} {count}");
         assert!(text.contains(&line), "no {line:?} in\n{text}");
     }
     assert!(
-        text.contains("dedupd_http_proxy_added_seconds_count 3"),
+        text.contains("dedupd_http_proxy_added_seconds_count 6"),
         "{text}"
     );
+}
+
+/// The operator's "did not act" set replaces the default: a service that
+/// sheds load with its own 503 (no gateway in front) releases with
+/// `--release-on-status 503`; 429 is then an outcome like any other.
+#[tokio::test]
+async fn the_release_statuses_are_the_operators() {
+    let upstream = upstream().await;
+    let proxy = proxy_with(&upstream, |config| {
+        config.release_on.statuses = vec![StatusCode::SERVICE_UNAVAILABLE];
+    })
+    .await;
+    let shed = post(proxy.address, "/shed", "\"s\"", "{}").await;
+    assert_eq!(shed.status, StatusCode::SERVICE_UNAVAILABLE);
+    let retry = post(proxy.address, "/shed", "\"s\"", "{}").await;
+    assert_eq!(
+        (retry.status, replayed(&retry)),
+        (StatusCode::CREATED, false)
+    );
+    let busy = post(proxy.address, "/busy", "\"b\"", "{}").await;
+    assert_eq!(busy.status, StatusCode::TOO_MANY_REQUESTS);
+    let retry = post(proxy.address, "/busy", "\"b\"", "{}").await;
+    assert_eq!(
+        (retry.status, replayed(&retry)),
+        (StatusCode::TOO_MANY_REQUESTS, true)
+    );
+    assert_eq!(upstream.calls.get("/shed"), 2);
+    assert_eq!(upstream.calls.get("/busy"), 1);
+
+    // By default a 503 is a gateway's: outcome unknown, never sent again.
+    let defaults = proxy_with(&upstream, |_| {}).await;
+    let shed = post(defaults.address, "/shed", "\"t\"", "{}").await;
+    assert_eq!(shed.status, StatusCode::SERVICE_UNAVAILABLE);
+    let retry = post(defaults.address, "/shed", "\"t\"", "{}").await;
+    assert_eq!(retry.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(problem_type(&retry), "outcome-unknown");
+    assert_eq!(upstream.calls.get("/shed"), 3);
+}
+
+/// Issue 40 item 4: two `Idempotency-Key` lines are one invalid value
+/// (RFC 8941), refused before anything is sent — even when both lines
+/// agree, and over gRPC metadata too.
+#[tokio::test]
+async fn a_key_header_given_twice_is_400_and_not_forwarded() {
+    let upstream = upstream().await;
+    let proxy = proxy(&upstream).await;
+    for (first, second) in [("\"a\"", "\"b\""), ("\"a\"", "\"a\"")] {
+        let request = Request::builder()
+            .method(Method::POST)
+            .header("authorization", "Bearer alice")
+            .header("idempotency-key", first)
+            .header("idempotency-key", second);
+        let answer = exchange(proxy.address, request, "{}").await;
+        assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{}", answer.body);
+        assert_eq!(problem_type(&answer), "invalid-idempotency-key");
+        assert!(answer.body.contains("more than once"), "{}", answer.body);
+    }
+    let request = Request::builder()
+        .method(Method::POST)
+        .header("content-type", "application/grpc")
+        .header("idempotency-key", "a")
+        .header("idempotency-key", "b");
+    let answer = exchange(proxy.address, request, "").await;
+    assert_eq!(
+        answer
+            .headers
+            .get("grpc-status")
+            .map(|v| v.to_str().unwrap()),
+        Some("3"),
+        "INVALID_ARGUMENT"
+    );
+    assert_eq!(upstream.calls.get("/cookie"), 0, "nothing was forwarded");
 }
 
 #[tokio::test]
@@ -529,6 +628,7 @@ async fn an_http2_client_is_deduplicated_too() {
     for _ in 0..2 {
         let request = Request::post(format!("http://{}/echo", proxy.address))
             .header("idempotency-key", "\"h2\"")
+            .header("authorization", CALLER)
             .header("content-type", "application/json")
             .body(Full::new(Bytes::from_static(b"{\"x\":1}")))
             .unwrap();
@@ -764,6 +864,53 @@ fn bad_proxy_flags_exit_64_with_one_line() {
             ],
             "--http-proxy-require-key \"payments/**\": \"payments/**\" is neither * nor a path",
         ),
+        (
+            &[
+                "http-proxy",
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                "http://127.0.0.1:1",
+                "--release-on-status",
+                "429,200",
+            ],
+            "--release-on-status \"200\": a status of 400-599",
+        ),
+        (
+            &[
+                "--http-proxy-listen",
+                "127.0.0.1:0",
+                "--http-proxy-upstream",
+                "http://127.0.0.1:1",
+                "--http-proxy-release-on-status",
+                "none,429",
+            ],
+            "--http-proxy-release-on-status none cannot be given with other values",
+        ),
+        (
+            &[
+                "http-proxy",
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                "http://127.0.0.1:1",
+                "--release-on-grpc-code",
+                "ABORTED,ok",
+            ],
+            "--release-on-grpc-code \"ok\": a gRPC code other than OK",
+        ),
+        (
+            &[
+                "http-proxy",
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                "http://127.0.0.1:1",
+                "--fingerprint-header",
+                "stripe account",
+            ],
+            "--fingerprint-header \"stripe account\" is not a header name",
+        ),
     ];
     for (flags, expected) in cases {
         let output = std::process::Command::new(common::sidecar::BINARY)
@@ -815,6 +962,7 @@ async fn an_http_1_0_upstream_is_answered_in_the_clients_version() {
     for replay in [false, true] {
         let request = Request::post(format!("http://{}/orders", proxy.address))
             .header("idempotency-key", "\"v10\"")
+            .header("authorization", CALLER)
             .header("content-type", "application/json")
             .body(Full::new(Bytes::from_static(b"{}")))
             .unwrap();
@@ -883,6 +1031,9 @@ async fn grpc_unary_calls_are_replayed_with_their_status() {
         request
             .metadata_mut()
             .insert("idempotency-key", key.parse().unwrap());
+        request
+            .metadata_mut()
+            .insert("authorization", "Bearer grpc-client".parse().unwrap());
         request
     }
 
@@ -1214,6 +1365,70 @@ async fn bare_and_quoted_keys_dedupe_together() {
     assert_eq!(upstream.calls.get("/orders"), 1);
 }
 
+/// Issue 40 item 2: tenants identified by `X-API-Key` alone never share a
+/// record; a keyed request that names no caller is refused before its
+/// body is read (unless the operator said `--scope none`); an account
+/// header named with `--fingerprint-header` makes the same key and body
+/// for another account a mismatch, never the first account's answer.
+#[tokio::test]
+async fn callers_are_always_told_apart_and_anonymous_keyed_requests_are_refused() {
+    let upstream = upstream().await;
+    let proxy = proxy_with(&upstream, |config| {
+        config.fingerprint_headers = vec![http::HeaderName::from_static("stripe-account")];
+    })
+    .await;
+    let keyed = |headers: &[(&'static str, &'static str)]| {
+        let mut request = Request::post("/").header("idempotency-key", "card-charge");
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        request
+    };
+    let tenant_a = exchange(proxy.address, keyed(&[("x-api-key", "key-a")]), "{}").await;
+    let tenant_b = exchange(proxy.address, keyed(&[("x-api-key", "key-b")]), "{}").await;
+    assert_eq!(tenant_a.status, StatusCode::CREATED);
+    assert_eq!(tenant_b.status, StatusCode::CREATED);
+    assert!(
+        !replayed(&tenant_b),
+        "tenant B got tenant A's stored answer"
+    );
+    assert_eq!(upstream.calls.get("/cookie"), 2);
+
+    let anonymous = exchange(proxy.address, keyed(&[]), "{}").await;
+    assert_eq!(
+        anonymous.status,
+        StatusCode::BAD_REQUEST,
+        "{}",
+        anonymous.body
+    );
+    assert_eq!(problem_type(&anonymous), "caller-unidentified");
+    assert!(anonymous.body.contains("X-API-Key"), "{}", anonymous.body);
+    assert_eq!(upstream.calls.get("/cookie"), 2, "not forwarded");
+
+    let account = |id: &'static str| {
+        Request::post("/")
+            .header("idempotency-key", "payout")
+            .header("x-api-key", "key-a")
+            .header("stripe-account", id)
+    };
+    let first = exchange(proxy.address, account("acct_1"), "{}").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let other = exchange(proxy.address, account("acct_2"), "{}").await;
+    assert_eq!(
+        other.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{}",
+        other.body
+    );
+    assert_eq!(problem_type(&other), "idempotency-key-reused");
+    assert_eq!(upstream.calls.get("/cookie"), 3);
+
+    let shared = proxy_with(&upstream, |config| config.scope = CallerScope::Shared).await;
+    let anonymous = exchange(shared.address, keyed(&[]), "{}").await;
+    assert_eq!(anonymous.status, StatusCode::CREATED);
+    assert_eq!(upstream.calls.get("/cookie"), 4);
+}
+
 /// Writes `request` on a new connection as it is and reads the first
 /// answer bytes (within 5 s).
 async fn raw_answer(address: SocketAddr, request: &[u8]) -> String {
@@ -1389,6 +1604,7 @@ async fn at_most_once_through_the_binary(store_flags: &[&str]) {
             .build_http::<Full<Bytes>>();
         let request = Request::post(format!("http://{address}/slow"))
             .header("idempotency-key", "killed")
+            .header("authorization", CALLER)
             .body(Full::new(Bytes::from_static(b"{}")))
             .unwrap();
         client
@@ -1481,6 +1697,7 @@ async fn a_96_mib_keyed_answer_streams_in_bounded_memory() {
         .build_http::<Full<Bytes>>();
     let request = Request::post(format!("http://{address}/big?mib=96"))
         .header("idempotency-key", "big-answer")
+        .header("authorization", CALLER)
         .body(Full::new(Bytes::from_static(b"{}")))
         .unwrap();
     let response = client.request(request).await.unwrap();
@@ -1533,7 +1750,7 @@ async fn a_keyed_body_slower_than_its_deadline_is_408_and_not_forwarded() {
     .await;
     let answer = raw_answer(
         proxy.address,
-        b"POST /echo HTTP/1.1\r\nHost: x\r\nIdempotency-Key: slow-body\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"a\":",
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nIdempotency-Key: slow-body\r\nAuthorization: Bearer slow\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"a\":",
     )
     .await;
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
@@ -1557,7 +1774,7 @@ async fn a_client_that_never_reads_is_cut_off() {
     .await;
     let mut socket = tokio::net::TcpStream::connect(proxy.address).await.unwrap();
     socket
-        .write_all(b"POST /big?mib=32 HTTP/1.1\r\nHost: x\r\nIdempotency-Key: never-read\r\nContent-Length: 2\r\n\r\n{}")
+        .write_all(b"POST /big?mib=32 HTTP/1.1\r\nHost: x\r\nIdempotency-Key: never-read\r\nAuthorization: Bearer reader\r\nContent-Length: 2\r\n\r\n{}")
         .await
         .unwrap();
     // Read nothing while the buffers fill and the deadline passes.

@@ -272,7 +272,7 @@ async fn post(proxy: SocketAddr, key: &str, trace: &str) -> u16 {
     let mut stream = tokio::net::TcpStream::connect(proxy).await.unwrap();
     let body = "{\"item\":1}";
     let request = format!(
-        "POST /orders HTTP/1.1\r\nHost: shop\r\nConnection: close\r\nContent-Type: application/json\r\nIdempotency-Key: \"{key}\"\r\ntraceparent: {}\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /orders HTTP/1.1\r\nHost: shop\r\nConnection: close\r\nContent-Type: application/json\r\nIdempotency-Key: \"{key}\"\r\nAuthorization: Bearer telemetry\r\ntraceparent: {}\r\nContent-Length: {}\r\n\r\n{body}",
         traceparent(trace, CALLER_SPAN_ID),
         body.len()
     );

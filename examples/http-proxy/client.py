@@ -3,8 +3,9 @@ Idempotency-Key per business operation, the same key on every retry.
 
 The client retries what is safe to retry *because* of the key: a timeout or
 a dropped connection (the first attempt may or may not have run: the proxy
-knows), a 5xx (the service failed, or could not be reached, and the proxy
-released the key), and a 409 "still in progress" (after Retry-After). It
+knows), a 5xx (a 500 the service answered comes back replayed, never run
+again; a 502 upstream-failed or 503 means nothing was sent), and a 409
+"still in progress" (after Retry-After). It
 never retries a 422 (that key was used for another request, a bug in the
 caller) nor a 502 "outcome-unknown": the order may or may not exist, the
 proxy will not send it again under this key, and only the caller can find
@@ -73,7 +74,10 @@ def create_order(
 
 if __name__ == "__main__":
     base_url = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8080"
-    with httpx.Client(base_url=base_url, timeout=10) as client:
+    # The caller's credentials: the proxy gives a stored answer only to the
+    # caller that sent the request (and refuses a keyed request with none).
+    caller = {"Authorization": "Bearer demo-token"}
+    with httpx.Client(base_url=base_url, timeout=10, headers=caller) as client:
         key = str(uuid.uuid4())
         for _ in range(2):
             answer = create_order(client, {"sku": "A1", "qty": 2}, key=key)

@@ -15,6 +15,10 @@ import pytest
 from client import KeyReused, OutcomeUnknown, create_order
 from orders_service import serve
 
+# The caller's credentials: the proxy refuses a keyed request that names no
+# caller (400 caller-unidentified), so one caller never gets another's answer.
+CALLER = {"Authorization": "Bearer example-client"}
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BINARY = os.environ.get("DEDUPD_BIN", str(ROOT / "target" / "debug" / "dedupd"))
 
@@ -63,7 +67,7 @@ def start_proxy(service, *flags):
 def test_a_timed_out_attempt_is_retried_and_the_order_is_created_once(service, proxy):
     _, orders = service
     # The client gives up after 0.3 s; the service takes 1 s per order.
-    with httpx.Client(base_url=proxy, timeout=0.3) as impatient:
+    with httpx.Client(base_url=proxy, timeout=0.3, headers=CALLER) as impatient:
         answer = create_order(impatient, {"sku": "A1", "qty": 2}, key="order-7f3a")
     assert answer.status_code == 201
     assert answer.headers["idempotent-replayed"] == "true"
@@ -71,7 +75,7 @@ def test_a_timed_out_attempt_is_retried_and_the_order_is_created_once(service, p
     assert len(orders.created) == 1
 
     # Later retries, JSON keys in another order: the same answer, no new order.
-    with httpx.Client(base_url=proxy, timeout=5) as client:
+    with httpx.Client(base_url=proxy, timeout=5, headers=CALLER) as client:
         again = create_order(client, {"qty": 2, "sku": "A1"}, key="order-7f3a")
     assert again.json() == answer.json()
     assert "idempotency-key-expires" in again.headers
@@ -80,14 +84,14 @@ def test_a_timed_out_attempt_is_retried_and_the_order_is_created_once(service, p
 
 def test_a_key_reused_for_another_order_is_refused(service, proxy):
     _, orders = service
-    with httpx.Client(base_url=proxy, timeout=5) as client:
+    with httpx.Client(base_url=proxy, timeout=5, headers=CALLER) as client:
         first = create_order(client, {"sku": "B2", "qty": 1}, key="order-9b21")
         assert first.status_code == 201
         assert "idempotent-replayed" not in first.headers
         with pytest.raises(KeyReused, match="different request"):
             create_order(client, {"sku": "B2", "qty": 5}, key="order-9b21")
         # HTTP/2 (prior knowledge) gets the same replay.
-    with httpx.Client(base_url=proxy, timeout=5, http1=False, http2=True) as h2:
+    with httpx.Client(base_url=proxy, timeout=5, http1=False, http2=True, headers=CALLER) as h2:
         replay = create_order(h2, {"sku": "B2", "qty": 1}, key="order-9b21")
         assert replay.http_version == "HTTP/2"
         assert replay.json() == first.json()
@@ -96,7 +100,7 @@ def test_a_key_reused_for_another_order_is_refused(service, proxy):
 
 def test_an_unknown_outcome_is_reported_not_sent_again(service, impatient_proxy):
     _, orders = service
-    with httpx.Client(base_url=impatient_proxy, timeout=10) as client:
+    with httpx.Client(base_url=impatient_proxy, timeout=10, headers=CALLER) as client:
         with pytest.raises(OutcomeUnknown):
             create_order(client, {"sku": "C3", "qty": 1}, key="order-slow")
         time.sleep(1.2)  # the service finishes the one order it got

@@ -44,8 +44,8 @@ use tonic::transport::server::Connected;
 use tracing::Instrument;
 
 use super::idempotency::{
-    end_to_end, fingerprint, grpc_disposition, http_disposition, may_store, storable, CallerScope,
-    Disposition, IdempotencyKey, KeySyntax, RoutePattern, Scope, Stored, StoredResponse,
+    end_to_end, fingerprint, may_store, storable, CallerScope, Disposition, IdempotencyKey,
+    KeySyntax, ReleaseOn, RoutePattern, Scope, Stored, StoredResponse,
 };
 use crate::{
     domain::{
@@ -111,10 +111,16 @@ pub struct ProxyConfig {
     /// Who a record belongs to besides method and route (by default a hash
     /// of the caller's credentials).
     pub scope: CallerScope,
+    /// Request headers that join the payload fingerprint (an account
+    /// selector such as `Stripe-Account`).
+    pub fingerprint_headers: Vec<HeaderName>,
     /// Response headers never stored or replayed besides `Set-Cookie`.
     pub never_store: Vec<HeaderName>,
     /// Which spellings of `Idempotency-Key` are accepted.
     pub key_syntax: KeySyntax,
+    /// The answers that say the service did not act (released; any other
+    /// answer is the outcome, replayed).
+    pub release_on: ReleaseOn,
     /// Where a deduplicated method without a key is refused (400).
     pub require_key: Vec<RoutePattern>,
     /// The lease taken while the upstream works (renewed at a third of it).
@@ -205,6 +211,9 @@ impl Protocol {
 enum Rejection {
     InvalidKey(String),
     MissingKey(Method),
+    /// A keyed request that says nothing of who sends it: what it must
+    /// carry.
+    CallerUnidentified(String),
     NotProxied(Method),
     BadTarget,
     RequestTooLarge(usize),
@@ -226,6 +235,7 @@ impl Rejection {
         match self {
             Rejection::InvalidKey(_) => "invalid_key",
             Rejection::MissingKey(_) => "missing_key",
+            Rejection::CallerUnidentified(_) => "caller_unidentified",
             Rejection::NotProxied(_) | Rejection::BadTarget => "bad_target",
             Rejection::RequestTooLarge(_) => "too_large",
             Rejection::BodyTimeout(_) | Rejection::BodyUnreadable => "body_incomplete",
@@ -264,6 +274,17 @@ impl Rejection {
                 "missing-idempotency-key",
                 Code::InvalidArgument,
                 format!("{method} requests to this service need an Idempotency-Key header"),
+            ),
+            Rejection::CallerUnidentified(expected) => (
+                StatusCode::BAD_REQUEST,
+                "caller-unidentified",
+                Code::Unauthenticated,
+                format!(
+                    "a request with an Idempotency-Key must say who sends it ({expected}): its \
+                     stored answer is given only to the same caller; it was not forwarded \
+                     (an operator whose proxy serves one trusted caller can start it with \
+                     --http-proxy-scope none)"
+                ),
             ),
             Rejection::NotProxied(method) => (
                 StatusCode::METHOD_NOT_ALLOWED,
@@ -549,7 +570,19 @@ impl<S: Store> Proxy<S> {
         {
             return Answer::rejected(Rejection::BadTarget, protocol);
         }
-        let value = request.headers().get("idempotency-key").cloned();
+        let mut values = request.headers().get_all("idempotency-key").iter();
+        let value = values.next().cloned();
+        if values.next().is_some() {
+            // Two lines make one invalid combined value (RFC 9110 §5.3,
+            // RFC 8941: an Item, not a List); forwarding both would hand
+            // the service a key the proxy did not deduplicate by.
+            return Answer::rejected(
+                Rejection::InvalidKey(
+                    "the Idempotency-Key header was given more than once; send it once".into(),
+                ),
+                protocol,
+            );
+        }
         let parsed = match (protocol, value) {
             // gRPC metadata is not a structured field: both spellings.
             (Protocol::Grpc, Some(value)) => {
@@ -694,6 +727,14 @@ impl<S: Store> Proxy<S> {
         protocol: Protocol,
     ) -> Answer {
         let (parts, body) = request.into_parts();
+        // Before the body is read: an anonymous client holds no budget.
+        let caller = self.config.scope.identity(&parts.headers);
+        if caller.is_none() && self.config.scope != CallerScope::Shared {
+            return Answer::rejected(
+                Rejection::CallerUnidentified(self.config.scope.expected()),
+                protocol,
+            );
+        }
         let (body, budget) = match self.read_keyed_body(body).await {
             Ok(read) => read,
             Err(rejection) => return Answer::rejected(rejection, protocol),
@@ -706,7 +747,9 @@ impl<S: Store> Proxy<S> {
         let proxy = Arc::clone(&self);
         let run = self.tasks.spawn(
             async move {
-                let answer = proxy.claim_and_forward(parts, body, key, protocol).await;
+                let answer = proxy
+                    .claim_and_forward(parts, body, key, caller, protocol)
+                    .await;
                 drop(budget);
                 answer
             }
@@ -728,9 +771,9 @@ impl<S: Store> Proxy<S> {
         parts: http::request::Parts,
         body: Bytes,
         key: IdempotencyKey,
+        caller: Option<[u8; 32]>,
         protocol: Protocol,
     ) -> Answer {
-        let caller = self.config.scope.identity(&parts.headers);
         let scope = Scope {
             method: &parts.method,
             route: parts.uri.path(),
@@ -750,6 +793,7 @@ impl<S: Store> Proxy<S> {
             parts.uri.query(),
             &parts.headers,
             &body,
+            &self.config.fingerprint_headers,
         );
         // This attempt's own ID: a claim retried after an error the store
         // may have applied anyway gets the same claim back instead of
@@ -939,7 +983,7 @@ impl<S: Store> Proxy<S> {
                 // processed but not replayable, released, or unknown, by the
                 // status (gRPC's comes last, in the trailers: processed).
                 let disposition = match protocol {
-                    Protocol::Http => http_disposition(parts.status),
+                    Protocol::Http => self.config.release_on.http(parts.status),
                     Protocol::Grpc => Disposition::Keep,
                 };
                 let (result, stored) = self
@@ -961,8 +1005,8 @@ impl<S: Store> Proxy<S> {
         let grpc_code =
             (protocol == Protocol::Grpc).then(|| grpc_status(&parts.headers, trailers.as_ref()));
         let disposition = match grpc_code {
-            None => http_disposition(parts.status),
-            Some(code) => grpc_disposition(code),
+            None => self.config.release_on.http(parts.status),
+            Some(code) => self.config.release_on.grpc(code),
         };
         let (result, stored) = self
             .settle_answer(&key, token, disposition, parts.status, grpc_code, || {

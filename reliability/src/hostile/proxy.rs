@@ -162,6 +162,7 @@ impl HttpClient {
     async fn order(&self, key: &str) -> Result<StatusCode, String> {
         let request = Request::post(self.orders.clone())
             .header("idempotency-key", key)
+            .header("authorization", "Bearer client")
             .header(CONTENT_TYPE, "application/json")
             .body(Full::new(Bytes::from_static(b"{}")))
             .map_err(|e| e.to_string())?;
@@ -290,7 +291,7 @@ pub(super) async fn slow_body(
     stop: &AtomicBool,
 ) -> Result<(), ()> {
     let head = format!(
-        "POST /orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: slow-{:016x}\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n",
+        "POST /orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: slow-{:016x}\r\nAuthorization: Bearer attacker\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n",
         rand::random::<u64>()
     );
     trickle(socket, counters, stop, head.as_bytes(), b"0123456789", 10).await
@@ -307,7 +308,7 @@ pub(super) async fn big_headers(
     // and it shares the CPUs with the sidecar.
     static REQUEST: OnceLock<Vec<u8>> = OnceLock::new();
     let request = REQUEST.get_or_init(|| {
-        let mut request = b"POST /orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: big-headers\r\nContent-Type: application/json\r\nContent-Length: 2\r\nX-Big: ".to_vec();
+        let mut request = b"POST /orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: big-headers\r\nAuthorization: Bearer attacker\r\nContent-Type: application/json\r\nContent-Length: 2\r\nX-Big: ".to_vec();
         request.extend(std::iter::repeat_n(b'x', 1 << 20));
         request.extend(b"\r\n\r\n{}");
         request
@@ -330,7 +331,7 @@ pub(super) async fn non_reading(
     // stream of new records (which the store keeps for the retention).
     let key = CONNECTIONS.fetch_add(1, Relaxed);
     let request = format!(
-        "POST /big HTTP/1.1\r\nHost: x\r\nIdempotency-Key: big-{key}\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{{}}"
+        "POST /big HTTP/1.1\r\nHost: x\r\nIdempotency-Key: big-{key}\r\nAuthorization: Bearer attacker\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{{}}"
     );
     while !stop.load(Relaxed) {
         let burst = request.repeat(PER_WRITE as usize);
