@@ -24,7 +24,7 @@ use crate::{
     memory_budget::MemoryBudget,
     proxy::{
         idempotency::{CallerScope, KeySyntax, ReleaseOn, RoutePattern},
-        server::{AfterUnknownOutcome, ProxyConfig},
+        server::{AfterUnknownOutcome, ProxyConfig, KEYED_BODY_BUDGET_BYTES},
     },
     server::ConnectionLimits,
     store::{
@@ -441,7 +441,7 @@ pub struct HttpProxyArgs {
     #[arg(long, env = "DEDUPD_HTTP_PROXY_RETENTION", default_value = "24h")]
     pub http_proxy_retention: humantime::Duration,
     /// The largest response kept for replay (larger ones are returned, and
-    /// a retry is told the result cannot be replayed).
+    /// a retry is told the result cannot be replayed); at most 64 MiB.
     #[arg(long, env = "DEDUPD_HTTP_PROXY_MAX_RESPONSE_BYTES", default_value_t = 1 << 20)]
     pub http_proxy_max_response_bytes: usize,
     /// The largest body of a keyed request (buffered to fingerprint it).
@@ -592,6 +592,17 @@ impl HttpProxyArgs {
                 ))
             }
         };
+        // An answer is gathered whole, within the proxy's budget, before it
+        // is stored: a larger limit could never be reached, and said so
+        // nowhere.
+        if self.http_proxy_max_response_bytes > KEYED_BODY_BUDGET_BYTES {
+            return Err(format!(
+                "--{} must be at most {KEYED_BODY_BUDGET_BYTES} (the budget for answers gathered \
+                 to be stored), got {}",
+                self.flag("max-response-bytes"),
+                self.http_proxy_max_response_bytes
+            ));
+        }
         let never_store = header_names("never-store-header", &self.http_proxy_never_store_header)?;
         let fingerprint_headers =
             header_names("fingerprint-header", &self.http_proxy_fingerprint_header)?;
@@ -675,6 +686,7 @@ impl HttpProxyArgs {
                 body_timeout,
                 // Set with the other connection limits (`ServeArgs::validate`).
                 connections: ConnectionLimits::default(),
+                shutdown_grace: Duration::from_secs(20),
             },
         )))
     }
@@ -1122,6 +1134,7 @@ impl ServeArgs {
                 address,
                 ProxyConfig {
                     connections,
+                    shutdown_grace: self.shutdown_grace.into(),
                     ..proxy
                 },
             )

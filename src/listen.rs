@@ -506,15 +506,23 @@ async fn serve_until<C, F, Fut>(
         .await
         .is_err()
     {
-        tracing::warn!("connections still open after the shutdown grace; closing them");
+        // They are not waited for: the process exits, and they end with it.
+        tracing::warn!(
+            open = connections.len(),
+            "connections still open when the shutdown grace ended; they end with the process"
+        );
     }
 }
 
-/// Serves one HTTP connection until it ends, or until `stopping` is
-/// cancelled: then it finishes the request in progress and closes.
+/// Serves one HTTP connection until it ends, until `stopping` is
+/// cancelled, or until it is `max_age` old: then it finishes the requests
+/// in progress and closes (HTTP/2: a GOAWAY). The age bound is what makes
+/// a client that keeps one connection alive forever (answering PINGs)
+/// reconnect, as the gRPC listener's `--max-connection-age` does.
 pub async fn until_stopped<C>(
     connection: C,
     stopping: &tokio_util::sync::CancellationToken,
+    max_age: Duration,
 ) -> Result<(), C::Error>
 where
     C: hyper_util::server::graceful::GracefulConnection,
@@ -523,6 +531,10 @@ where
     tokio::select! {
         ended = connection.as_mut() => ended,
         () = stopping.cancelled() => {
+            connection.as_mut().graceful_shutdown();
+            connection.await
+        }
+        () = tokio::time::sleep(max_age) => {
             connection.as_mut().graceful_shutdown();
             connection.await
         }

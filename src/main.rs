@@ -149,6 +149,16 @@ async fn serve_on<S: Store>(store: Arc<S>, settings: &Settings, server: ServerCo
             }
         },
     };
+    if settings.http_proxy.is_some()
+        && matches!(settings.store, StoreSettings::Sled(_))
+        && std::env::var_os("KUBERNETES_SERVICE_HOST").is_some()
+    {
+        tracing::warn!(
+            "the HTTP proxy keeps its records in this pod's embedded store: behind a Service \
+             with more than one replica, a retry that reaches another pod is forwarded again; \
+             give the replicas one shared store (--store postgres or redis)"
+        );
+    }
     let http_proxy = match &settings.http_proxy {
         None => None,
         Some((address, proxy_config)) => match TcpListener::bind(address).await {

@@ -14,7 +14,7 @@ use std::{
         atomic::{AtomicBool, Ordering},
         Arc,
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use bytes::Bytes;
@@ -235,7 +235,10 @@ struct Proxy {
     address: SocketAddr,
     metrics: Arc<dedupd::Metrics>,
     _dir: tempfile::TempDir,
-    _stop: tokio::sync::oneshot::Sender<()>,
+    /// Dropped (or sent): the proxy shuts down.
+    stop: tokio::sync::oneshot::Sender<()>,
+    /// The proxy's `serve`, which ends once its shutdown is over.
+    served: tokio::task::JoinHandle<std::io::Result<()>>,
 }
 
 async fn proxy(upstream: &Upstream) -> Proxy {
@@ -278,20 +281,22 @@ async fn proxy_on<S: Store>(
         header_timeout: Duration::from_secs(10),
         body_timeout: Duration::from_secs(10),
         connections: ConnectionLimits::default(),
+        shutdown_grace: Duration::from_secs(20),
     };
     adjust(&mut config);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let slots = Arc::new(tokio::sync::Semaphore::new(
         config.connections.max_connections,
     ));
-    tokio::spawn(serve(listener, engine, config, slots, async {
+    let served = tokio::spawn(serve(listener, engine, config, slots, async {
         let _ = stopped.await;
     }));
     Proxy {
         address,
         metrics,
         _dir: dir,
-        _stop: stop,
+        stop,
+        served,
     }
 }
 
@@ -643,6 +648,36 @@ async fn an_http2_client_is_deduplicated_too() {
     assert_eq!(upstream.calls.get("/echo"), 1);
 }
 
+/// Issue 40 item 7: an HTTP/2 connection that stays (answering PINGs,
+/// sending nothing) is closed at the listener's maximum connection age,
+/// as the gRPC listener's is; it was never closed.
+#[tokio::test]
+async fn an_idle_http2_connection_is_closed_at_its_maximum_age() {
+    let upstream = upstream().await;
+    let proxy = proxy_with(&upstream, |config| {
+        config.connections.max_connection_age = Duration::from_millis(500);
+    })
+    .await;
+    let stream = tokio::net::TcpStream::connect(proxy.address).await.unwrap();
+    let (mut sender, connection) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .timer(hyper_util::rt::TokioTimer::new())
+        .keep_alive_interval(Duration::from_millis(100))
+        .keep_alive_while_idle(true)
+        .handshake::<_, Full<Bytes>>(TokioIo::new(stream))
+        .await
+        .unwrap();
+    let connection = tokio::spawn(connection);
+    let request = Request::post(format!("http://{}/echo", proxy.address))
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    assert_eq!(
+        sender.send_request(request).await.unwrap().status(),
+        StatusCode::OK
+    );
+    let closed = tokio::time::timeout(Duration::from_secs(5), connection).await;
+    assert!(closed.is_ok(), "the connection was still open after 5 s");
+}
+
 /// A request without a key is streamed both ways, never buffered: each
 /// chunk comes back before the next is sent, and the whole (10 MiB) is
 /// ten times what a keyed request may carry here.
@@ -898,6 +933,18 @@ fn bad_proxy_flags_exit_64_with_one_line() {
                 "ABORTED,ok",
             ],
             "--release-on-grpc-code \"ok\": a gRPC code other than OK",
+        ),
+        (
+            &[
+                "http-proxy",
+                "--listen",
+                "127.0.0.1:0",
+                "--upstream",
+                "http://127.0.0.1:1",
+                "--max-response-bytes",
+                "1000000000",
+            ],
+            "--max-response-bytes must be at most 67108864",
         ),
         (
             &[
@@ -1429,6 +1476,49 @@ async fn callers_are_always_told_apart_and_anonymous_keyed_requests_are_refused(
     assert_eq!(upstream.calls.get("/cookie"), 4);
 }
 
+/// Issue 40 item 8: shutdown keeps to `--shutdown-grace`, the time the
+/// process exits at — a keyed request still with the service within it
+/// settles and is answered, and one that would take longer is not waited
+/// for (the proxy used to wait 10 s for connections, then up to the
+/// upstream timeout plus a lease, past the grace).
+#[tokio::test]
+async fn shutdown_keeps_to_the_grace() {
+    let upstream = upstream().await;
+    for (grace, settles) in [
+        (Duration::from_millis(300), false),
+        (Duration::from_secs(6), true),
+    ] {
+        let proxy = proxy_with(&upstream, |config| config.shutdown_grace = grace).await;
+        let address = proxy.address;
+        // `/slow` answers after 2.5 s.
+        let request = tokio::spawn(async move {
+            post(address, "/slow", &format!("\"shutdown-{settles}\""), "{}").await
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let began = Instant::now();
+        drop(proxy.stop);
+        tokio::time::timeout(Duration::from_secs(10), proxy.served)
+            .await
+            .expect("the proxy stopped")
+            .unwrap()
+            .unwrap();
+        let took = began.elapsed();
+        if settles {
+            assert!(
+                took >= Duration::from_secs(2),
+                "{took:?}: the request was not waited for"
+            );
+            assert!(took < Duration::from_millis(5500), "{took:?}");
+            assert_eq!(request.await.unwrap().status, StatusCode::CREATED);
+        } else {
+            assert!(
+                took < Duration::from_millis(1500),
+                "{took:?}: waited past the grace"
+            );
+        }
+    }
+}
+
 /// Writes `request` on a new connection as it is and reads the first
 /// answer bytes (within 5 s).
 async fn raw_answer(address: SocketAddr, request: &[u8]) -> String {
@@ -1562,6 +1652,51 @@ fn proxy_address(sidecar: &common::sidecar::Sidecar) -> SocketAddr {
         .as_str()
         .and_then(|address| address.parse().ok())
         .unwrap_or_else(|| panic!("no proxy address in {}", sidecar.ready))
+}
+
+/// Issue 40 item 9: under Kubernetes, the proxy on the embedded store warns
+/// at start that replicas do not share its records (a retry sent to
+/// another pod is forwarded again); elsewhere it says nothing of it.
+#[test]
+fn the_proxy_on_the_embedded_store_warns_under_kubernetes() {
+    for (environment, warned) in [
+        (&[("KUBERNETES_SERVICE_HOST", "10.96.0.1")][..], true),
+        (&[][..], false),
+    ] {
+        let data = tempfile::tempdir().unwrap();
+        let mut sidecar = common::sidecar::Sidecar::start_in_environment(
+            &[],
+            data.path(),
+            &[
+                "--http-proxy-listen",
+                "127.0.0.1:0",
+                "--http-proxy-upstream",
+                "http://127.0.0.1:1",
+            ],
+            environment,
+        );
+        common::sidecar::terminate(&mut sidecar, Duration::from_secs(20));
+        let log = sidecar.log_after_exit();
+        assert_eq!(
+            log.contains("a retry that reaches another pod is forwarded again"),
+            warned,
+            "{log}"
+        );
+    }
+}
+
+/// Issue 40 item 9, decided: the route is the path as sent —
+/// `/echo` and `/echo/` are two records, as they may be two resources to
+/// the service (one may redirect, and its 308 is what a retry of it gets).
+#[tokio::test]
+async fn a_trailing_slash_is_another_route() {
+    let upstream = upstream().await;
+    let proxy = proxy(&upstream).await;
+    for path in ["/echo", "/echo/", "/echo"] {
+        post(proxy.address, path, "\"slash\"", "{}").await;
+    }
+    assert_eq!(upstream.calls.get("/echo"), 1);
+    assert_eq!(upstream.calls.get("/echo/"), 1);
 }
 
 /// Through the binary on `store_flags`: the slow upstream's request is

@@ -67,9 +67,6 @@ pub const EXPIRES: &str = "idempotency-key-expires";
 /// will not be forwarded either (it is answered `outcome-unknown`).
 pub const REPLAYABLE: &str = "idempotency-replayable";
 
-/// How long requests in progress may take to finish once shutdown begins.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
-
 /// The longest a connection to the upstream may take to open.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -149,6 +146,10 @@ pub struct ProxyConfig {
     pub body_timeout: Duration,
     /// The process's connection limits, shared with the gRPC listeners.
     pub connections: ConnectionLimits,
+    /// Once shutdown begins, how long connections may finish and keyed
+    /// requests still with the upstream may settle (`--shutdown-grace`:
+    /// the process exits when it ends).
+    pub shutdown_grace: Duration,
 }
 
 /// How often a waiting retry looks again while the first request runs.
@@ -413,6 +414,27 @@ pub async fn serve<S: Store>(
     if config.after_unknown_outcome == AfterUnknownOutcome::Retry {
         tracing::warn!("--after-unknown-outcome retry: a request whose outcome is unknown may reach the upstream again");
     }
+    let grace = config.shutdown_grace;
+    if config.upstream_timeout + config.lease_ttl > grace {
+        tracing::warn!(
+            grace = %humantime::format_duration(grace),
+            upstream_timeout = %humantime::format_duration(config.upstream_timeout),
+            "--shutdown-grace is shorter than the upstream timeout plus a lease: a keyed \
+             request still with the service when it ends is settled by its lease, as \
+             outcome unknown; raise --shutdown-grace (and the pod's \
+             terminationGracePeriodSeconds) to let it finish"
+        );
+    }
+    // When shutdown began: connections and the keyed requests' settling
+    // share one grace, the one the process exits at.
+    let began = Arc::new(std::sync::OnceLock::new());
+    let shutdown = {
+        let began = Arc::clone(&began);
+        async move {
+            shutdown.await;
+            let _ = began.set(Instant::now());
+        }
+    };
     let first_bytes = config.header_timeout;
     let proxy = Arc::new(Proxy {
         engine,
@@ -427,7 +449,7 @@ pub async fn serve<S: Store>(
         connection_slots,
         first_bytes,
         shutdown,
-        SHUTDOWN_GRACE,
+        grace,
         |stream, stopping| {
             let proxy = Arc::clone(&proxy);
             async move {
@@ -459,7 +481,9 @@ pub async fn serve<S: Store>(
                 // the header timeout without progress.
                 let stream = crate::listen::WriteDeadline::new(stream, header_timeout);
                 let connection = builder.serve_connection(TokioIo::new(stream), service);
-                let ended = crate::listen::until_stopped(connection, &stopping).await;
+                let ended =
+                    crate::listen::until_stopped(connection, &stopping, limits.max_connection_age)
+                        .await;
                 if let Err(error) = ended {
                     tracing::debug!(?peer, %error, "proxy connection ended with an error");
                 }
@@ -470,14 +494,15 @@ pub async fn serve<S: Store>(
     // Keyed requests whose clients are gone still settle their records:
     // cut short, they would be recovered claims (outcome unknown) later.
     proxy.tasks.close();
-    let settle = proxy.config.upstream_timeout + proxy.config.lease_ttl;
+    let settle = grace.saturating_sub(began.get().map_or(Duration::ZERO, Instant::elapsed));
     if tokio::time::timeout(settle, proxy.tasks.wait())
         .await
         .is_err()
     {
         tracing::warn!(
             left = proxy.tasks.len(),
-            "keyed requests still running at shutdown; their keys will answer outcome-unknown"
+            "keyed requests still with the upstream when the shutdown grace ended; their keys \
+             answer 409 until their leases end, then outcome-unknown"
         );
     }
     Ok(())
