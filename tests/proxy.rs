@@ -1595,6 +1595,40 @@ async fn numbers_beyond_2_pow_53_are_not_confused() {
     assert_eq!(upstream.calls.get("/echo"), 1);
 }
 
+/// Issue 40 item 5: the store applies the claim but its answers are lost
+/// (the proxy answers 503, nothing sent). The claim is given back in the
+/// background once the store answers again, so the client's retry is sent
+/// — it used to find the key held (409) for the lease, then "outcome
+/// unknown" for the retention, though nothing was ever sent.
+#[tokio::test]
+async fn a_claim_whose_answer_was_lost_is_given_back_and_the_retry_is_sent() {
+    let upstream = upstream().await;
+    let lose = Arc::new(AtomicBool::new(true));
+    let store = common::FailingStore::losing_answers(Arc::default(), Arc::clone(&lose));
+    let proxy = proxy_on(&upstream, store, tempfile::tempdir().unwrap(), |config| {
+        config.lease_ttl = Duration::from_secs(8);
+    })
+    .await;
+    let first = post(proxy.address, "/orders", "lost-claim", "{}").await;
+    assert_eq!(
+        first.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        first.body
+    );
+    assert_eq!(problem_type(&first), "store-unavailable");
+    lose.store(false, Ordering::SeqCst);
+    let started = Instant::now();
+    let mut retry = post(proxy.address, "/orders", "lost-claim", "{}").await;
+    while retry.status == StatusCode::CONFLICT && started.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        retry = post(proxy.address, "/orders", "lost-claim", "{}").await;
+    }
+    assert_eq!(retry.status, StatusCode::CREATED, "{}", retry.body);
+    assert!(!replayed(&retry));
+    assert_eq!(upstream.calls.get("/orders"), 1, "sent once, by the retry");
+}
+
 /// The store stops taking writes the moment the upstream answers. A short
 /// outage: the commit is retried (the lease renewed) and the answer is
 /// replayable. A long one: the client gets the answer marked

@@ -830,6 +830,7 @@ impl<S: Store> Proxy<S> {
         let waiting_until = Instant::now() + self.config.wait_in_flight;
         let outcome = loop {
             let Some(outcome) = self.claim(&claim).await else {
+                self.release_orphan(claim);
                 return Answer::rejected(Rejection::StoreUnavailable, protocol);
             };
             let left = waiting_until.saturating_duration_since(Instant::now());
@@ -901,6 +902,62 @@ impl<S: Store> Proxy<S> {
                 }
             }
         }
+    }
+
+    /// The store did not answer `claim`, which it may have applied all the
+    /// same (its answer lost on the way). Nothing was forwarded, so a claim
+    /// stored under this attempt's request ID is given back in the
+    /// background: claimed again with the same ID (the same claim comes
+    /// back while its lease lasts) and released, so that the client's retry
+    /// is sent — left alone, it found the key held (409), then, once the
+    /// lease ended, a recovered claim it had to call "outcome unknown".
+    /// A claim that came back *recovered* had another holder before it,
+    /// which may have sent the request: settled as any recovered claim is.
+    fn release_orphan(self: &Arc<Self>, claim: ClaimRequest) {
+        let proxy = Arc::clone(self);
+        self.tasks.spawn(
+            async move {
+                let give_up = Instant::now() + claim.lease_ttl;
+                let mut pause = Duration::from_millis(100);
+                while Instant::now() + pause < give_up {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                    match proxy.engine.claim(&claim).await {
+                        Ok(ClaimOutcome::Claimed { record, recovered }) => {
+                            let (key, token) = (claim.key.clone(), record.lease_token);
+                            if recovered {
+                                let reason = "an earlier attempt's proxy stopped while the \
+                                              request may have been with the service";
+                                // The protocol only shapes an answer nobody reads.
+                                proxy
+                                    .unknown_outcome(key, token, reason.into(), Protocol::Http)
+                                    .await;
+                            } else if proxy.release(key, token).await {
+                                tracing::info!(
+                                    "a claim whose answer the store lost was released; \
+                                     the request was never sent"
+                                );
+                            }
+                            return;
+                        }
+                        // Another attempt holds it, or it is settled.
+                        Ok(_) => return,
+                        Err(error) if error.may_pass() => {
+                            tracing::debug!(%error, "orphaned claim: the store still fails");
+                        }
+                        Err(error) => {
+                            tracing::warn!(%error, "orphaned claim: not released");
+                            return;
+                        }
+                    }
+                }
+                tracing::warn!(
+                    "the store did not answer for a whole lease: a claim it may hold for a \
+                     request never sent ends as a recovered claim (outcome unknown)"
+                );
+            }
+            .in_current_span(),
+        );
     }
 
     /// Keeps the lease of `key` alive until the returned guard is dropped.

@@ -591,18 +591,32 @@ pub async fn claim(client: &mut Client, request: pb::ClaimRequest) -> pb::ClaimR
 
 /// An in-memory store that refuses every write (UNAVAILABLE, nothing
 /// written) while `down` is set: a store outage a test switches on and off.
+/// With [`FailingStore::losing_answers`], writes are made and their answers
+/// lost (UNAVAILABLE) while `lose_answers` is set: a store that applied a
+/// change its client never heard of.
 #[derive(Debug)]
 pub struct FailingStore {
     inner: MemoryStore,
     down: Arc<std::sync::atomic::AtomicBool>,
+    lose_answers: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl FailingStore {
     /// A store that is down while `down` is set.
     pub fn new(down: Arc<std::sync::atomic::AtomicBool>) -> FailingStore {
+        FailingStore::losing_answers(down, Arc::default())
+    }
+
+    /// Also applies writes and loses their answers while `lose_answers` is
+    /// set.
+    pub fn losing_answers(
+        down: Arc<std::sync::atomic::AtomicBool>,
+        lose_answers: Arc<std::sync::atomic::AtomicBool>,
+    ) -> FailingStore {
         FailingStore {
             inner: MemoryStore::new(),
             down,
+            lose_answers,
         }
     }
 
@@ -622,7 +636,13 @@ impl Store for FailingStore {
         F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
     {
         self.check()?;
-        self.inner.update(key, apply).await
+        let answer = self.inner.update(key, apply).await;
+        if self.lose_answers.load(Ordering::SeqCst) {
+            return Err(Error::Unavailable(
+                "the test lost the store's answer".into(),
+            ));
+        }
+        answer
     }
 
     async fn get(&self, key: &Key) -> Result<Option<Record>, Error> {
