@@ -66,6 +66,7 @@ pub enum Command {
         mut_arg("http_proxy_max_response_bytes", |arg| arg.long("max-response-bytes")),
         mut_arg("http_proxy_max_request_bytes", |arg| arg.long("max-request-bytes")),
         mut_arg("http_proxy_upstream_timeout", |arg| arg.long("upstream-timeout")),
+        mut_arg("http_proxy_upstream_idle_timeout", |arg| arg.long("upstream-idle-timeout")),
         mut_arg("http_proxy_wait_in_flight", |arg| arg.long("wait-in-flight")),
     )]
     HttpProxy(ServeArgs),

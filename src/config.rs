@@ -456,6 +456,16 @@ pub struct HttpProxyArgs {
         default_value = "60s"
     )]
     pub http_proxy_upstream_timeout: humantime::Duration,
+    /// An idle connection to the upstream is closed after this long, not
+    /// reused: shorter than the upstream's own keep-alive timeout (Node's
+    /// 5 s, gunicorn's 2 s), so that a keyed request is never written into
+    /// a connection the upstream is closing (its fate unknown).
+    #[arg(
+        long,
+        env = "DEDUPD_HTTP_PROXY_UPSTREAM_IDLE_TIMEOUT",
+        default_value = "1s"
+    )]
+    pub http_proxy_upstream_idle_timeout: humantime::Duration,
     /// A retry that arrives while the first request runs waits up to this
     /// long for its result and gets the replay, instead of a 409 at once
     /// (`0s`: answer 409 at once).
@@ -630,6 +640,11 @@ impl HttpProxyArgs {
             self.http_proxy_upstream_timeout.into(),
             Duration::from_secs(3600),
         )?;
+        let upstream_idle_timeout = check_duration_flag(
+            &self.flag("upstream-idle-timeout"),
+            self.http_proxy_upstream_idle_timeout.into(),
+            Duration::from_secs(3600),
+        )?;
         let wait_in_flight: Duration = self.http_proxy_wait_in_flight.into();
         if wait_in_flight > upstream_timeout {
             return Err(format!(
@@ -677,6 +692,7 @@ impl HttpProxyArgs {
                 max_response_bytes: self.http_proxy_max_response_bytes,
                 max_request_bytes: self.http_proxy_max_request_bytes,
                 upstream_timeout,
+                upstream_idle_timeout,
                 wait_in_flight,
                 after_unknown_outcome: match self.http_proxy_after_unknown_outcome {
                     AfterUnknownOutcomeArg::Report => AfterUnknownOutcome::Report,

@@ -44,7 +44,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 /// echoes each chunk as it comes; `/cookie` gives the caller a session
 /// cookie and names it in the body; `/big?mib=N` answers N MiB, generated as
 /// it is sent; `/outage` sets `store_down` before answering 201; any other
-/// path answers 200 with the body.
+/// path answers 200 with the body. Connections accepted count under
+/// [`CONNECTIONS`].
 struct Upstream {
     address: SocketAddr,
     calls: Arc<counts::Counts>,
@@ -86,6 +87,7 @@ async fn upstream() -> Upstream {
     tokio::spawn(async move {
         loop {
             let (stream, _) = listener.accept().await.unwrap();
+            counts.bump(CONNECTIONS);
             let counts = Arc::clone(&counts);
             let trip = Arc::clone(&trip);
             tokio::spawn(async move {
@@ -276,6 +278,7 @@ async fn proxy_on<S: Store>(
         max_response_bytes: 64 << 10,
         max_request_bytes: 1 << 20,
         upstream_timeout: Duration::from_secs(10),
+        upstream_idle_timeout: Duration::from_secs(1),
         wait_in_flight: Duration::ZERO,
         after_unknown_outcome: AfterUnknownOutcome::Report,
         header_timeout: Duration::from_secs(10),
@@ -1731,6 +1734,113 @@ async fn a_trailing_slash_is_another_route() {
     }
     assert_eq!(upstream.calls.get("/echo"), 1);
     assert_eq!(upstream.calls.get("/echo/"), 1);
+}
+
+/// Where the test upstream counts the connections it accepted.
+const CONNECTIONS: &str = "#connections";
+
+/// Issue 40 item 6: an idle upstream connection is not kept past
+/// `--upstream-idle-timeout` (shorter than the upstream's own keep-alive),
+/// so a keyed request is never written into one the upstream is closing;
+/// within it, the connection is reused.
+#[tokio::test]
+async fn idle_upstream_connections_are_dropped_before_the_upstream_drops_them() {
+    for (idle_timeout, connections) in [
+        (Duration::from_millis(200), 2),
+        (Duration::from_secs(30), 1),
+    ] {
+        let upstream = upstream().await;
+        let proxy = proxy_with(&upstream, |config| {
+            config.upstream_idle_timeout = idle_timeout
+        })
+        .await;
+        post(proxy.address, "/echo", "idle-1", "{}").await;
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        post(proxy.address, "/echo", "idle-2", "{}").await;
+        assert_eq!(
+            upstream.calls.get(CONNECTIONS),
+            connections,
+            "{idle_timeout:?}"
+        );
+    }
+}
+
+/// An HTTP/2 upstream that refuses its first stream (RST_STREAM with
+/// REFUSED_STREAM: not processed, RFC 9113 §8.7) and answers gRPC OK
+/// (trailers only) to the others; counts the streams.
+async fn refusing_h2_upstream() -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let streams = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = Arc::clone(&streams);
+    tokio::spawn(async move {
+        loop {
+            let (socket, _) = listener.accept().await.unwrap();
+            let counted = Arc::clone(&counted);
+            tokio::spawn(async move {
+                let mut connection = h2::server::handshake(socket).await.unwrap();
+                while let Some(Ok((_request, mut respond))) = connection.accept().await {
+                    if counted.fetch_add(1, Ordering::SeqCst) == 0 {
+                        respond.send_reset(h2::Reason::REFUSED_STREAM);
+                        continue;
+                    }
+                    let response = http::Response::builder()
+                        .header("content-type", "application/grpc")
+                        .header("grpc-status", "0")
+                        .body(())
+                        .unwrap();
+                    respond.send_response(response, true).unwrap();
+                }
+            });
+        }
+    });
+    (address, streams)
+}
+
+/// Issue 40 item 6: a gRPC upstream that refuses the stream did not
+/// process it: the key is released (UNAVAILABLE) and the retry is sent —
+/// it was "outcome unknown" and never sent again.
+#[tokio::test]
+async fn a_refused_stream_was_not_sent_and_the_retry_is() {
+    let (address, streams) = refusing_h2_upstream().await;
+    let upstream = Upstream {
+        address,
+        calls: Arc::new(counts::Counts::default()),
+        store_down: Arc::new(AtomicBool::new(false)),
+    };
+    let proxy = proxy(&upstream).await;
+    let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http::<Full<Bytes>>();
+    let mut codes = Vec::new();
+    for _ in 0..2 {
+        let request = Request::post(format!("http://{}/shop.Orders/Create", proxy.address))
+            .header("content-type", "application/grpc")
+            .header("idempotency-key", "refused")
+            .header("authorization", CALLER)
+            .body(Full::new(Bytes::from_static(&[0, 0, 0, 0, 0])))
+            .unwrap();
+        let response = client.request(request).await.unwrap();
+        let headers = response.headers().clone();
+        let trailers = response
+            .into_body()
+            .collect()
+            .await
+            .unwrap()
+            .trailers()
+            .cloned();
+        let code = headers
+            .get("grpc-status")
+            .or_else(|| trailers.as_ref().and_then(|t| t.get("grpc-status")))
+            .map(|code| code.to_str().unwrap().to_owned());
+        codes.push(code);
+    }
+    assert_eq!(
+        codes,
+        [Some("14".to_owned()), Some("0".to_owned())],
+        "UNAVAILABLE (released), then the retry's OK"
+    );
+    assert_eq!(streams.load(Ordering::SeqCst), 2);
 }
 
 /// Through the binary on `store_flags`: the slow upstream's request is

@@ -133,6 +133,8 @@ pub struct ProxyConfig {
     /// head and up to `max_response_bytes` of its body), and the longest a
     /// streamed answer may pause.
     pub upstream_timeout: Duration,
+    /// How long an idle upstream connection is kept for reuse.
+    pub upstream_idle_timeout: Duration,
     /// How long a retry waits for the first request's result (then
     /// replays it) instead of answering 409 at once; zero: no wait.
     pub wait_in_flight: Duration,
@@ -401,10 +403,17 @@ pub async fn serve<S: Store>(
     // released); without its own deadline a black-holed upstream would run
     // into the upstream timeout instead, and be recorded outcome-unknown.
     connector.set_connect_timeout(Some((config.upstream_timeout / 2).min(CONNECT_TIMEOUT)));
-    let http1 = Client::builder(TokioExecutor::new()).build(connector.clone());
-    let http2 = Client::builder(TokioExecutor::new())
-        .http2_only(true)
-        .build(connector);
+    // Idle connections are dropped before the upstream's own keep-alive
+    // timeout would close them under a request being written.
+    let client = || {
+        let mut builder = Client::builder(TokioExecutor::new());
+        builder
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(config.upstream_idle_timeout);
+        builder
+    };
+    let http1 = client().build(connector.clone());
+    let http2 = client().http2_only(true).build(connector);
     let body_budget = Arc::new(Semaphore::new(
         KEYED_BODY_BUDGET_BYTES.max(config.max_request_bytes),
     ));
@@ -702,7 +711,7 @@ impl<S: Store> Proxy<S> {
         sent.map_err(|error| {
             // hyper-util says "connect" only when no connection was made
             // (refused, DNS, connect timeout): nothing was written.
-            if error.is_connect() {
+            if error.is_connect() || refused_stream(&error) {
                 ForwardError::Unsent(error.to_string())
             } else {
                 ForwardError::MaybeSent(error.to_string())
@@ -1314,6 +1323,23 @@ impl<S: Store> Proxy<S> {
             }
         }
     }
+}
+
+/// Whether an HTTP/2 upstream reset the stream with REFUSED_STREAM, which
+/// says the request was not processed at all (RFC 9113 §8.7): it may be
+/// sent again. (A GOAWAY is not taken as such: the error a stream gets
+/// does not say whether its ID was above the GOAWAY's last stream ID.)
+fn refused_stream(error: &hyper_util::client::legacy::Error) -> bool {
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        if let Some(h2) = cause.downcast_ref::<h2::Error>() {
+            return h2.is_reset()
+                && h2.is_remote()
+                && h2.reason() == Some(h2::Reason::REFUSED_STREAM);
+        }
+        source = cause.source();
+    }
+    false
 }
 
 /// `idempotency-replayable: false` on an answer whose record could not be
