@@ -23,8 +23,9 @@ use crate::{
     listen::ListenAddr,
     memory_budget::MemoryBudget,
     proxy::{
+        budget::KEYED_BODY_BUDGET_BYTES,
         idempotency::{CallerScope, KeySyntax, ReleaseOn, RoutePattern},
-        server::{AfterUnknownOutcome, ProxyConfig, KEYED_BODY_BUDGET_BYTES},
+        server::{AfterUnknownOutcome, ProxyConfig},
     },
     server::ConnectionLimits,
     store::{

@@ -1736,6 +1736,61 @@ async fn a_trailing_slash_is_another_route() {
     assert_eq!(upstream.calls.get("/echo/"), 1);
 }
 
+/// Issue 40 item 3: one caller sending large keyed bodies slowly holds at
+/// most its share of the proxy's body budget (429 past it), so another
+/// caller's payment still goes through — eight such bodies used to take
+/// the whole budget and every other keyed request got 503.
+#[tokio::test]
+async fn one_caller_with_slow_bodies_cannot_starve_another() {
+    use tokio::io::AsyncWriteExt;
+    let upstream = upstream().await;
+    let proxy = proxy_with(&upstream, |config| config.max_request_bytes = 8 << 20).await;
+    let declared = 8 << 20;
+    let mut held = Vec::new();
+    let mut refused = 0;
+    for attacker in 0..8 {
+        let mut socket = tokio::net::TcpStream::connect(proxy.address).await.unwrap();
+        let head = format!(
+            "POST /echo HTTP/1.1\r\nHost: x\r\nIdempotency-Key: slow-{attacker}\r\n\
+             Authorization: Bearer mallory\r\nContent-Type: application/json\r\n\
+             Content-Length: {declared}\r\n\r\n"
+        );
+        socket.write_all(head.as_bytes()).await.unwrap();
+        // All but the last byte; a refused body may be cut off mid-write.
+        let body = vec![b' '; declared - 1];
+        let written = tokio::time::timeout(Duration::from_secs(5), socket.write_all(&body)).await;
+        if !matches!(written, Ok(Ok(()))) {
+            refused += 1;
+        }
+        held.push(socket);
+    }
+    // Mallory's share (16 MiB) holds two bodies: the other six are refused
+    // once the proxy has read past it.
+    let overloaded = "dedupd_http_proxy_requests_total{result=\"caller_overloaded\"} 6";
+    let started = Instant::now();
+    while !proxy.metrics.render().contains(overloaded)
+        && started.elapsed() < Duration::from_secs(20)
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let payment = send(
+        proxy.address,
+        Method::POST,
+        "/echo",
+        Some("payment-1"),
+        Some("Bearer alice"),
+        "{\"amount\":10}",
+    )
+    .await;
+    assert_eq!(payment.status, StatusCode::OK, "{}", payment.body);
+    let text = proxy.metrics.render();
+    assert!(
+        text.contains(overloaded),
+        "mallory's bodies past its share were refused ({refused} writes cut off):\n{text}"
+    );
+    drop(held);
+}
+
 /// Where the test upstream counts the connections it accepted.
 const CONNECTIONS: &str = "#connections";
 

@@ -7,9 +7,12 @@
 //!   the record a keyed request maps to (scoped by the caller's
 //!   credentials), the payload fingerprint, which answers are replayed and
 //!   what is stored (an answer, or "outcome unknown").
+//! - [`budget`]: the bytes of request bodies and gathered answers held at
+//!   once, in total and per caller.
 //! - [`server`]: the HTTP/1.1 + HTTP/2 server that forwards a keyed request
 //!   at most once, commits, releases, replays and streams, behind the same
 //!   connection defences as the gRPC listener.
 
+pub mod budget;
 pub mod idempotency;
 pub mod server;

@@ -36,13 +36,11 @@ use hyper_util::{
     rt::{TokioExecutor, TokioIo, TokioTimer},
 };
 use serde_json::json;
-use tokio::{
-    net::TcpListener,
-    sync::{OwnedSemaphorePermit, Semaphore},
-};
+use tokio::{net::TcpListener, sync::Semaphore};
 use tonic::transport::server::Connected;
 use tracing::Instrument;
 
+use super::budget::{AnswerShare, Budgets, RequestShare, Spent};
 use super::idempotency::{
     end_to_end, fingerprint, may_store, storable, CallerScope, Disposition, IdempotencyKey,
     KeySyntax, ReleaseOn, RoutePattern, Scope, Stored, StoredResponse,
@@ -72,12 +70,6 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The longest `Retry-After` suggested while a key's first request runs.
 const IN_FLIGHT_RETRY: Duration = Duration::from_secs(1);
-
-/// Bytes of keyed request bodies the proxy holds at once, over every
-/// connection (raised to one `--max-request-bytes`): past it, a keyed
-/// request is answered 503 rather than buffered, so many large bodies
-/// arriving together cannot exhaust the pod's memory.
-pub const KEYED_BODY_BUDGET_BYTES: usize = 64 << 20;
 
 /// The largest request head (HTTP/1 request line and headers; HTTP/2
 /// header list): generous for cookies and tokens, far below hyper's ~400 KB.
@@ -180,9 +172,9 @@ struct Proxy<S> {
     http1: Client<HttpConnector, ProxyBody>,
     /// HTTP/2 (prior knowledge) to the upstream, for gRPC.
     http2: Client<HttpConnector, ProxyBody>,
-    /// [`KEYED_BODY_BUDGET_BYTES`], in bytes: keyed request bodies, and
-    /// the answers gathered to be stored.
-    body_budget: Arc<Semaphore>,
+    /// The bytes of keyed request bodies and of answers gathered to be
+    /// stored that may be held at once.
+    budgets: Budgets,
     /// Every keyed request's detached task, so that shutdown lets them
     /// settle their records.
     tasks: tokio_util::task::TaskTracker,
@@ -223,6 +215,8 @@ enum Rejection {
     BodyTimeout(Duration),
     BodyUnreadable,
     Overloaded,
+    /// One caller's bodies fill its share of the budget.
+    CallerOverloaded,
     InProgress,
     PayloadMismatch,
     NotReplayable,
@@ -243,6 +237,7 @@ impl Rejection {
             Rejection::RequestTooLarge(_) => "too_large",
             Rejection::BodyTimeout(_) | Rejection::BodyUnreadable => "body_incomplete",
             Rejection::Overloaded => "overloaded",
+            Rejection::CallerOverloaded => "caller_overloaded",
             Rejection::InProgress => "in_progress",
             Rejection::PayloadMismatch => "mismatch",
             Rejection::NotReplayable => "not_replayable",
@@ -262,7 +257,9 @@ impl Rejection {
         // brief.
         let retry_after = match self {
             Rejection::InProgress => Some(IN_FLIGHT_RETRY),
-            Rejection::StoreUnavailable | Rejection::Overloaded => Some(Duration::from_secs(1)),
+            Rejection::StoreUnavailable | Rejection::Overloaded | Rejection::CallerOverloaded => {
+                Some(Duration::from_secs(1))
+            }
             _ => None,
         };
         let (status, kind, code, detail) = match self {
@@ -327,6 +324,14 @@ impl Rejection {
                 "overloaded",
                 Code::ResourceExhausted,
                 "the proxy is holding as many request bodies as it may; the request was not forwarded; retry later".into(),
+            ),
+            Rejection::CallerOverloaded => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "caller-overloaded",
+                Code::ResourceExhausted,
+                "this caller's requests with an Idempotency-Key hold as many body bytes as one \
+                 caller may; the request was not forwarded; retry later"
+                    .into(),
             ),
             Rejection::InProgress => (
                 StatusCode::CONFLICT,
@@ -414,9 +419,10 @@ pub async fn serve<S: Store>(
     };
     let http1 = client().build(connector.clone());
     let http2 = client().http2_only(true).build(connector);
-    let body_budget = Arc::new(Semaphore::new(
-        KEYED_BODY_BUDGET_BYTES.max(config.max_request_bytes),
-    ));
+    let budgets = Budgets::new(
+        config.max_request_bytes,
+        config.scope != CallerScope::Shared,
+    );
     if config.scope == CallerScope::Shared {
         tracing::warn!("--scope none: every caller shares the proxy's records, so anyone who sends a key gets the answer stored under it");
     }
@@ -450,7 +456,7 @@ pub async fn serve<S: Store>(
         config,
         http1,
         http2,
-        body_budget,
+        budgets,
         tasks: tokio_util::task::TaskTracker::new(),
     });
     crate::listen::serve_tcp_capped(
@@ -554,12 +560,23 @@ enum Gathered {
     Whole {
         data: Bytes,
         trailers: Option<http::HeaderMap>,
-        share: OwnedSemaphorePermit,
+        share: AnswerShare,
     },
     /// More than the limit: what was read, and the rest still to come.
     Over { read: Bytes, rest: Incoming },
     /// It broke off or stalled.
     Failed(String),
+}
+
+/// A keyed request read whole, on its way to be claimed and forwarded.
+struct Keyed {
+    parts: http::request::Parts,
+    body: Bytes,
+    /// The body's share of the request budget, held until it is forwarded.
+    budget: RequestShare,
+    key: IdempotencyKey,
+    /// The caller's identity hash (`None`: callers share records).
+    caller: Option<[u8; 32]>,
 }
 
 /// Renews a lease at a third of its time until dropped.
@@ -721,16 +738,18 @@ impl<S: Store> Proxy<S> {
 
     /// Reads a keyed request's body (it is fingerprinted and may be sent
     /// again only as a whole): within `--max-request-bytes`, the body
-    /// deadline, and the proxy-wide body budget, whose bytes it holds until
-    /// dropped.
+    /// deadline, the proxy-wide request budget and `caller`'s share of it,
+    /// whose bytes it holds until dropped.
     async fn read_keyed_body(
         &self,
         mut body: Incoming,
-    ) -> Result<(Bytes, OwnedSemaphorePermit), Rejection> {
+        caller: Option<[u8; 32]>,
+    ) -> Result<(Bytes, RequestShare), Rejection> {
         let deadline = tokio::time::Instant::now() + self.config.body_timeout;
-        let mut held = Arc::clone(&self.body_budget)
-            .try_acquire_many_owned(0)
-            .map_err(|_| Rejection::Overloaded)?;
+        let mut held = self
+            .budgets
+            .request_share(caller)
+            .ok_or(Rejection::Overloaded)?;
         let mut data = BytesMut::new();
         loop {
             let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
@@ -745,10 +764,10 @@ impl<S: Store> Proxy<S> {
             if data.len() + chunk.len() > self.config.max_request_bytes {
                 return Err(Rejection::RequestTooLarge(self.config.max_request_bytes));
             }
-            let more = Arc::clone(&self.body_budget)
-                .try_acquire_many_owned(chunk.len() as u32)
-                .map_err(|_| Rejection::Overloaded)?;
-            held.merge(more);
+            held.grow(chunk.len()).map_err(|spent| match spent {
+                Spent::Total => Rejection::Overloaded,
+                Spent::Caller => Rejection::CallerOverloaded,
+            })?;
             data.extend_from_slice(&chunk);
         }
         Ok((data.freeze(), held))
@@ -769,23 +788,26 @@ impl<S: Store> Proxy<S> {
                 protocol,
             );
         }
-        let (body, budget) = match self.read_keyed_body(body).await {
+        let (body, budget) = match self.read_keyed_body(body, caller).await {
             Ok(read) => read,
             Err(rejection) => return Answer::rejected(rejection, protocol),
         };
         // Detached from here on: a client that disconnects (or an HTTP/2
         // stream reset) cancels neither the claim — which may already be
         // stored — nor the upstream call nor its commit, so its retry finds
-        // a settled record rather than an orphaned claim. The task keeps the
-        // body's share of the budget until it ends.
+        // a settled record rather than an orphaned claim. The body's share
+        // of the budget is given back once it has been forwarded.
         let proxy = Arc::clone(&self);
         let run = self.tasks.spawn(
             async move {
-                let answer = proxy
-                    .claim_and_forward(parts, body, key, caller, protocol)
-                    .await;
-                drop(budget);
-                answer
+                let keyed = Keyed {
+                    parts,
+                    body,
+                    budget,
+                    key,
+                    caller,
+                };
+                proxy.claim_and_forward(keyed, protocol).await
             }
             // Still this request's work: its decision and the upstream call
             // belong to the request's span.
@@ -800,14 +822,14 @@ impl<S: Store> Proxy<S> {
         }
     }
 
-    async fn claim_and_forward(
-        self: Arc<Self>,
-        parts: http::request::Parts,
-        body: Bytes,
-        key: IdempotencyKey,
-        caller: Option<[u8; 32]>,
-        protocol: Protocol,
-    ) -> Answer {
+    async fn claim_and_forward(self: Arc<Self>, keyed: Keyed, protocol: Protocol) -> Answer {
+        let Keyed {
+            parts,
+            body,
+            budget,
+            key,
+            caller,
+        } = keyed;
         let scope = Scope {
             method: &parts.method,
             route: parts.uri.path(),
@@ -866,7 +888,7 @@ impl<S: Store> Proxy<S> {
                         .await;
                 }
                 let request = Request::from_parts(parts, full(body));
-                self.first_request(record_key, token, request, protocol)
+                self.first_request(record_key, token, (request, budget), protocol)
                     .await
             }
             ClaimOutcome::Duplicate { record } => replay(
@@ -1005,15 +1027,17 @@ impl<S: Store> Proxy<S> {
         self: Arc<Self>,
         key: Key,
         token: LeaseToken,
-        request: Request<ProxyBody>,
+        (request, budget): (Request<ProxyBody>, RequestShare),
         protocol: Protocol,
     ) -> Answer {
         let renewals = self.renew_lease(key.clone(), token);
         let upstream_started = Instant::now();
         let deadline = tokio::time::Instant::now() + self.config.upstream_timeout;
-        let response = match tokio::time::timeout_at(deadline, self.forward(request, protocol))
-            .await
-        {
+        let forwarded = tokio::time::timeout_at(deadline, self.forward(request, protocol)).await;
+        // The body has been written (or never will be): its bytes go back
+        // to the budget now, not when the answer is settled.
+        drop(budget);
+        let response = match forwarded {
             Ok(Ok(response)) => response,
             Ok(Err(ForwardError::Unsent(problem))) => {
                 self.release(key, token).await;
@@ -1181,9 +1205,8 @@ impl<S: Store> Proxy<S> {
     /// spent, what was read streams on like a long answer.
     async fn gather(&self, mut body: Incoming, deadline: tokio::time::Instant) -> Gathered {
         let mut data = BytesMut::new();
-        let mut share = match Arc::clone(&self.body_budget).try_acquire_many_owned(0) {
-            Ok(share) => share,
-            Err(_) => return Gathered::Failed("the proxy is shutting down".into()),
+        let Some(mut share) = self.budgets.answer_share() else {
+            return Gathered::Failed("the proxy is shutting down".into());
         };
         loop {
             let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
@@ -1205,22 +1228,16 @@ impl<S: Store> Proxy<S> {
             };
             match frame.into_data() {
                 Ok(chunk) => {
-                    let more = u32::try_from(chunk.len()).ok().and_then(|bytes| {
-                        Arc::clone(&self.body_budget)
-                            .try_acquire_many_owned(bytes)
-                            .ok()
-                    });
                     data.extend_from_slice(&chunk);
-                    match more {
-                        Some(more) if data.len() <= self.config.max_response_bytes => {
-                            share.merge(more);
-                        }
-                        _ => {
-                            return Gathered::Over {
-                                read: data.freeze(),
-                                rest: body,
-                            }
-                        }
+                    // An answer that fits waits a moment for budget rather
+                    // than being stored "not replayable" at a peak.
+                    if data.len() > self.config.max_response_bytes
+                        || !share.grow(chunk.len(), deadline).await
+                    {
+                        return Gathered::Over {
+                            read: data.freeze(),
+                            rest: body,
+                        };
                     }
                 }
                 Err(frame) => {
