@@ -412,7 +412,7 @@ pub struct HttpProxyArgs {
         long,
         env = "DEDUPD_HTTP_PROXY_RELEASE_ON_GRPC_CODE",
         value_name = "CODES",
-        default_value = "RESOURCE_EXHAUSTED,ABORTED",
+        default_value = "ABORTED",
         value_delimiter = ','
     )]
     pub http_proxy_release_on_grpc_code: Vec<String>,

@@ -515,14 +515,14 @@ async fn serve_until<C, F, Fut>(
 }
 
 /// Serves one HTTP connection until it ends, until `stopping` is
-/// cancelled, or until it is `max_age` old: then it finishes the requests
-/// in progress and closes (HTTP/2: a GOAWAY). The age bound is what makes
-/// a client that keeps one connection alive forever (answering PINGs)
+/// cancelled, or until `aged` resolves: then it finishes the requests in
+/// progress and closes (HTTP/2: a GOAWAY). The age bound is what makes a
+/// client that keeps one connection alive forever (answering PINGs)
 /// reconnect, as the gRPC listener's `--max-connection-age` does.
 pub async fn until_stopped<C>(
     connection: C,
     stopping: &tokio_util::sync::CancellationToken,
-    max_age: Duration,
+    aged: impl Future<Output = ()>,
 ) -> Result<(), C::Error>
 where
     C: hyper_util::server::graceful::GracefulConnection,
@@ -534,7 +534,7 @@ where
             connection.as_mut().graceful_shutdown();
             connection.await
         }
-        () = tokio::time::sleep(max_age) => {
+        () = aged => {
             connection.as_mut().graceful_shutdown();
             connection.await
         }

@@ -151,7 +151,7 @@ async fn serve_on<S: Store>(store: Arc<S>, settings: &Settings, server: ServerCo
     };
     if settings.http_proxy.is_some()
         && matches!(settings.store, StoreSettings::Sled(_))
-        && std::env::var_os("KUBERNETES_SERVICE_HOST").is_some()
+        && std::env::var_os("KUBERNETES_SERVICE_HOST").is_some_and(|host| !host.is_empty())
     {
         tracing::warn!(
             "the HTTP proxy keeps its records in this pod's embedded store: behind a Service \

@@ -1493,11 +1493,19 @@ async fn shutdown_keeps_to_the_grace() {
     ] {
         let proxy = proxy_with(&upstream, |config| config.shutdown_grace = grace).await;
         let address = proxy.address;
+        let calls_before = upstream.calls.get("/slow");
         // `/slow` answers after 2.5 s.
         let request = tokio::spawn(async move {
             post(address, "/slow", &format!("\"shutdown-{settles}\""), "{}").await
         });
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Stopped once the service has the request (a loaded machine may
+        // take a while to get it there).
+        let arrived = Instant::now();
+        while upstream.calls.get("/slow") < calls_before + 1
+            && arrived.elapsed() < Duration::from_secs(10)
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         let began = Instant::now();
         drop(proxy.stop);
         tokio::time::timeout(Duration::from_secs(10), proxy.served)
@@ -1696,10 +1704,9 @@ fn proxy_address(sidecar: &common::sidecar::Sidecar) -> SocketAddr {
 /// another pod is forwarded again); elsewhere it says nothing of it.
 #[test]
 fn the_proxy_on_the_embedded_store_warns_under_kubernetes() {
-    for (environment, warned) in [
-        (&[("KUBERNETES_SERVICE_HOST", "10.96.0.1")][..], true),
-        (&[][..], false),
-    ] {
+    // Empty, not unset: the tests may themselves run in a pod.
+    for (host, warned) in [("10.96.0.1", true), ("", false)] {
+        let environment = [("KUBERNETES_SERVICE_HOST", host)];
         let data = tempfile::tempdir().unwrap();
         let mut sidecar = common::sidecar::Sidecar::start_in_environment(
             &[],
@@ -1710,7 +1717,7 @@ fn the_proxy_on_the_embedded_store_warns_under_kubernetes() {
                 "--http-proxy-upstream",
                 "http://127.0.0.1:1",
             ],
-            environment,
+            &environment,
         );
         common::sidecar::terminate(&mut sidecar, Duration::from_secs(20));
         let log = sidecar.log_after_exit();

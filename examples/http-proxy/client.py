@@ -3,9 +3,10 @@ Idempotency-Key per business operation, the same key on every retry.
 
 The client retries what is safe to retry *because* of the key: a timeout or
 a dropped connection (the first attempt may or may not have run: the proxy
-knows), a 5xx (a 500 the service answered comes back replayed, never run
-again; a 502 upstream-failed or 503 means nothing was sent), and a 409
-"still in progress" (after Retry-After). It
+knows), the proxy's own 502 upstream-failed and 503 store-unavailable or
+overloaded (nothing was sent; a 500 the service answered comes back
+replayed, never run again, so retrying it is harmless but useless), and a
+409 "still in progress" (after Retry-After). It
 never retries a 422 (that key was used for another request, a bug in the
 caller) nor a 502 "outcome-unknown": the order may or may not exist, the
 proxy will not send it again under this key, and only the caller can find

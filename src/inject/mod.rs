@@ -48,10 +48,6 @@ pub use tls::ReloadingCert;
 /// is 3 MiB; a pod is far smaller).
 const MAX_REVIEW_BYTES: usize = 4 << 20;
 /// How long open requests may take to finish once shutdown begins.
-/// The API server keeps webhook connections alive; one is asked to close
-/// after this long (as the sidecar's listeners do), so that a renewed
-/// serving certificate reaches every connection.
-const MAX_CONNECTION_AGE: Duration = Duration::from_secs(3600);
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// How long a client has to finish its TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -412,7 +408,8 @@ pub async fn serve(
                     .header_read_timeout(HANDSHAKE_TIMEOUT)
                     .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
                 let ended =
-                    crate::listen::until_stopped(connection, &stopping, MAX_CONNECTION_AGE).await;
+                    crate::listen::until_stopped(connection, &stopping, std::future::pending())
+                        .await;
                 if let Err(error) = ended {
                     tracing::debug!(%peer, %error, "connection ended with an error");
                 }

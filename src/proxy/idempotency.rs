@@ -506,16 +506,17 @@ pub struct ReleaseOn {
 
 impl Default for ReleaseOn {
     /// 408, 409, 425 and 429 (timed out before acting, conflict, too
-    /// early, too many requests); RESOURCE_EXHAUSTED and ABORTED (gRPC's
-    /// rate limit and "aborted before committing", which HTTP 429 and 409
-    /// map to).
+    /// early, too many requests); gRPC ABORTED ("aborted before
+    /// committing", which HTTP 409 maps to). Not RESOURCE_EXHAUSTED:
+    /// grpc-go and grpc-java also answer it when the server's own answer
+    /// is over its send limit, after the handler acted.
     fn default() -> ReleaseOn {
         ReleaseOn {
             statuses: [408, 409, 425, 429]
                 .into_iter()
                 .map(|code| StatusCode::from_u16(code).expect("a status"))
                 .collect(),
-            grpc_codes: vec![8, 10],
+            grpc_codes: vec![10],
         }
     }
 }
@@ -1085,19 +1086,13 @@ mod tests {
     fn grpc_answers_are_kept_unless_they_say_did_not_act_or_were_cut_off() {
         let rules = ReleaseOn::default();
         // OK, UNKNOWN, INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS,
-        // PERMISSION_DENIED, FAILED_PRECONDITION, OUT_OF_RANGE,
-        // UNIMPLEMENTED, INTERNAL, DATA_LOSS, UNAUTHENTICATED.
-        for kept in [0, 2, 3, 5, 6, 7, 9, 11, 12, 13, 15, 16] {
+        // PERMISSION_DENIED, RESOURCE_EXHAUSTED, FAILED_PRECONDITION,
+        // OUT_OF_RANGE, UNIMPLEMENTED, INTERNAL, DATA_LOSS, UNAUTHENTICATED.
+        for kept in [0, 2, 3, 5, 6, 7, 8, 9, 11, 12, 13, 15, 16] {
             assert_eq!(rules.grpc(Some(kept)), Disposition::Keep, "{kept}");
         }
-        // RESOURCE_EXHAUSTED, ABORTED.
-        for released in [8, 10] {
-            assert_eq!(
-                rules.grpc(Some(released)),
-                Disposition::Release,
-                "{released}"
-            );
-        }
+        // ABORTED.
+        assert_eq!(rules.grpc(Some(10)), Disposition::Release);
         // CANCELLED, DEADLINE_EXCEEDED, UNAVAILABLE, and no status at all.
         for unknown in [Some(1), Some(4), Some(14), None] {
             assert_eq!(rules.grpc(unknown), Disposition::Unknown, "{unknown:?}");

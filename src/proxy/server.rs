@@ -23,7 +23,10 @@
 use std::{
     convert::Infallible,
     future::Future,
-    sync::Arc,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
     time::{Duration, Instant},
 };
 
@@ -281,9 +284,7 @@ impl Rejection {
                 Code::Unauthenticated,
                 format!(
                     "a request with an Idempotency-Key must say who sends it ({expected}): its \
-                     stored answer is given only to the same caller; it was not forwarded \
-                     (an operator whose proxy serves one trusted caller can start it with \
-                     --http-proxy-scope none)"
+                     stored answer is given only to the same caller; it was not forwarded"
                 ),
             ),
             Rejection::NotProxied(method) => (
@@ -430,14 +431,16 @@ pub async fn serve<S: Store>(
         tracing::warn!("--after-unknown-outcome retry: a request whose outcome is unknown may reach the upstream again");
     }
     let grace = config.shutdown_grace;
-    if config.upstream_timeout + config.lease_ttl > grace {
-        tracing::warn!(
+    if config.upstream_timeout > grace {
+        // Not a warning: the defaults (60 s, 20 s) are such a pair, and
+        // most requests take far less than the upstream timeout.
+        tracing::info!(
             grace = %humantime::format_duration(grace),
             upstream_timeout = %humantime::format_duration(config.upstream_timeout),
-            "--shutdown-grace is shorter than the upstream timeout plus a lease: a keyed \
-             request still with the service when it ends is settled by its lease, as \
-             outcome unknown; raise --shutdown-grace (and the pod's \
-             terminationGracePeriodSeconds) to let it finish"
+            "a keyed request still with the service when the shutdown grace ends is \
+             settled by its lease, as outcome unknown; raise --shutdown-grace (and the \
+             pod's terminationGracePeriodSeconds) above the upstream timeout to let every \
+             one finish"
         );
     }
     // When shutdown began: connections and the keyed requests' settling
@@ -471,7 +474,14 @@ pub async fn serve<S: Store>(
                 let peer = stream.connect_info().remote_addr();
                 let limits = proxy.config.connections;
                 let header_timeout = proxy.config.header_timeout;
-                let service = hyper::service::service_fn(move |request| {
+                // Whether the client speaks HTTP/2 (seen on its first
+                // request): only such a connection is closed for its age.
+                let http2 = Arc::new(AtomicBool::new(false));
+                let speaks_http2 = Arc::clone(&http2);
+                let service = hyper::service::service_fn(move |request: Request<Incoming>| {
+                    if request.version() == http::Version::HTTP_2 {
+                        speaks_http2.store(true, Ordering::Relaxed);
+                    }
                     let proxy = Arc::clone(&proxy);
                     async move { Ok::<_, Infallible>(proxy.handle(request).await) }
                 });
@@ -497,8 +507,7 @@ pub async fn serve<S: Store>(
                 let stream = crate::listen::WriteDeadline::new(stream, header_timeout);
                 let connection = builder.serve_connection(TokioIo::new(stream), service);
                 let ended =
-                    crate::listen::until_stopped(connection, &stopping, limits.max_connection_age)
-                        .await;
+                    crate::listen::until_stopped(connection, &stopping, aged(limits, http2)).await;
                 if let Err(error) = ended {
                     tracing::debug!(?peer, %error, "proxy connection ended with an error");
                 }
@@ -623,7 +632,11 @@ impl<S: Store> Proxy<S> {
         }
         let mut values = request.headers().get_all("idempotency-key").iter();
         let value = values.next().cloned();
-        if values.next().is_some() {
+        // Only where the key is used: a request of another method streams
+        // through untouched, key lines and all.
+        let deduplicated =
+            protocol == Protocol::Grpc || self.config.methods.contains(request.method());
+        if deduplicated && values.next().is_some() {
             // Two lines make one invalid combined value (RFC 9110 §5.3,
             // RFC 8941: an Item, not a List); forwarding both would hand
             // the service a key the proxy did not deduplicate by.
@@ -1339,6 +1352,19 @@ impl<S: Store> Proxy<S> {
                 }
             }
         }
+    }
+}
+
+/// Resolves when an HTTP/2 connection is `--max-connection-age` old, give
+/// or take a tenth (so that connections opened together do not all close
+/// together); never for HTTP/1, whose idle connections the header timeout
+/// closes, and where closing between requests could race one the client has
+/// just written (its answer lost, though nothing was forwarded).
+async fn aged(limits: ConnectionLimits, http2: Arc<AtomicBool>) {
+    let jitter = 0.9 + rand::random::<f64>() / 5.0;
+    tokio::time::sleep(limits.max_connection_age.mul_f64(jitter)).await;
+    if !http2.load(Ordering::Relaxed) {
+        std::future::pending::<()>().await;
     }
 }
 

@@ -588,6 +588,31 @@ mod tests {
         assert!(matches!(error, Error::Corrupt(_)), "{error}");
     }
 
+    /// A log the store refuses to open over leaves nothing of the damaged
+    /// segment applied, however many whole frames come before the damage
+    /// (more than a run's worth here): sled may hold changes newer than
+    /// the damage, which those older frames must not overwrite, and an
+    /// operator restores over what the crash left.
+    #[test]
+    fn a_refusal_applies_nothing_of_the_damaged_segment() {
+        let dir = tempfile::tempdir().unwrap();
+        let many = RUN_FRAMES as u64 + 10;
+        let groups = [
+            frames(1..many),
+            frames(many..many + 3),
+            frames(many + 3..many + 6),
+        ];
+        let (path, starts) = write_groups(dir.path(), 1, 1, &groups);
+        flip(&path, starts[1] + GROUP_HEADER_BYTES + 5);
+        let mut applied = 0;
+        let refused = replay(dir.path(), |frames| {
+            applied += frames.len();
+            Ok(())
+        });
+        assert!(matches!(refused, Err(Error::Corrupt(_))), "{refused:?}");
+        assert_eq!(applied, 0);
+    }
+
     /// A group header with a matching checksum inside an answer (a client's
     /// bytes, or a copy of another log) must not make a torn tail read as
     /// damage: the segment's group magic is random, and far numbers are

@@ -48,11 +48,13 @@ pub(in crate::store) struct Replayed {
 
 /// Calls `apply` with the frames of the segments in `directory`, in
 /// order, in runs of at most [`RUN_FRAMES`] frames, stopping at a torn
-/// tail (see the parent module's docs). Every frame is checked before it
-/// is applied; a refusal to open leaves the frames before the damage
-/// applied, as the segments before a damaged one always were — they are
-/// acknowledged changes in the log's order, and a later replay of the
-/// same log applies them again to the same effect.
+/// tail (see the parent module's docs). A segment is read twice: first
+/// every frame of it is checked (group numbers, checksums, LSNs, and where
+/// its groups end), keeping nothing; only then are its frames applied. So
+/// a log the store refuses to open over leaves nothing of the damaged
+/// segment in sled: what an operator moves aside, or restores over, is
+/// what the crash left (sled may hold changes newer than the damage, which
+/// the segment's older frames must not overwrite).
 pub(in crate::store) fn replay(
     directory: &Path,
     mut apply: impl FnMut(&[Frame<'_>]) -> Result<(), Error>,
@@ -64,98 +66,49 @@ pub(in crate::store) fn replay(
     let mut run = Run::default();
     let mut next_group: Option<u64> = None;
     let mut group_buffer = Vec::new();
-    'segments: for (index, (sequence, path)) in segments.iter().enumerate() {
+    for (index, (sequence, path)) in segments.iter().enumerate() {
         let segment = Segment::open(path)?;
         let later = &segments[index + 1..];
-        if let Some(magic) = segment.group_magic()? {
-            let mut offset = SEGMENT_HEADER_BYTES;
-            loop {
-                let stopped = match group_at(&segment, offset, magic, &mut group_buffer)? {
-                    GroupRead::Whole(group)
-                        if next_group.is_some_and(|next| group.number != next) =>
-                    {
+        let checked = match segment.group_magic()? {
+            Some(magic) => {
+                let checked = check_groups(
+                    &segment,
+                    path,
+                    later,
+                    magic,
+                    (&mut next_group, &mut lsns),
+                    &mut group_buffer,
+                )?;
+                let mut offset = SEGMENT_HEADER_BYTES;
+                while offset < checked.end {
+                    let GroupRead::Whole(group) =
+                        group_at(&segment, offset, magic, &mut group_buffer)?
+                    else {
                         return Err(Error::Corrupt(format!(
-                            "write-ahead log {} at byte {offset}: group {} where {} was next; \
-                             refusing to open over a log with a gap",
-                            path.display(),
-                            group.number,
-                            next_group.unwrap_or_default()
+                            "write-ahead log {} at byte {offset}: changed while it was replayed",
+                            path.display()
                         )));
-                    }
-                    GroupRead::Whole(group) => {
-                        take_group(group.frames, path, offset, &mut lsns, &mut run, &mut apply)?;
-                        next_group = Some(group.number + 1);
-                        offset = group.next;
-                        continue;
-                    }
-                    GroupRead::Zeros => None,
-                    GroupRead::Bad(what) => Some(what),
-                };
-                // The segment's groups end here: zeros, or a group that is
-                // not whole. Either is the log's end only if no whole
-                // later group follows: zeros, in this segment (they end a
-                // segment that was full, and the next goes on); a bad
-                // group, in this segment or any later one.
-                let after = next_group.unwrap_or(0);
-                let mut found =
-                    later_group(&segment, offset + 1, after, magic)?.map(|at| (path.clone(), at));
-                if found.is_none() && stopped.is_some() {
-                    found = later_group_in(later, after)?;
+                    };
+                    offset = group.next;
+                    push_frames(group.frames, path, &mut run, &mut apply)?;
                 }
-                match (stopped, found) {
-                    (_, Some((later_path, at))) => {
-                        return Err(Error::Corrupt(format!(
-                            "write-ahead log {} at byte {offset}: {}, and a whole later group \
-                             follows ({} at byte {at}); refusing to open over a damaged log",
-                            path.display(),
-                            stopped.unwrap_or("zeros where a group was due"),
-                            later_path.display()
-                        )));
-                    }
-                    (Some(what), None) => {
-                        run.apply(&mut apply)?;
-                        replayed.torn = Some((path.clone(), offset, what));
-                        // Later segments hold no group (checked above); a
-                        // new writer starts after all of them.
-                        replayed.last_segment = last_sequence;
-                        break 'segments;
-                    }
-                    (None, None) => break,
-                }
+                checked
             }
-        } else {
-            // The frames-only format from before group headers: small
-            // segments of an old data directory, read whole.
-            let bytes = std::fs::read(path)?;
-            let mut offset = 0;
-            loop {
-                match decode_at(&bytes, offset) {
-                    Decoded::Frame(frame, next) => {
-                        lsns.check(frame.lsn, path, offset)?;
-                        lsns.bytes += (next - offset) as u64;
-                        run.push(&bytes[offset..next], &mut apply)?;
-                        offset = next;
-                    }
-                    Decoded::End => break,
-                    Decoded::Bad(what) => {
-                        // A bad frame ends the log only in the last segment
-                        // that holds anything (this format has no groups).
-                        for (_, later_path) in later {
-                            if Segment::open(later_path)?.holds_anything()? {
-                                return Err(Error::Corrupt(format!(
-                                    "write-ahead log {} at byte {offset}: {what}, and later \
-                                     segments follow; refusing to open over a damaged log",
-                                    path.display()
-                                )));
-                            }
-                        }
-                        run.apply(&mut apply)?;
-                        replayed.torn = Some((path.clone(), offset, what));
-                        replayed.last_segment = last_sequence;
-                        break 'segments;
-                    }
-                }
+            None => {
+                // The frames-only format from before group headers: small
+                // segments of an old data directory, read whole.
+                let bytes = std::fs::read(path)?;
+                let checked = check_frames_only(&bytes, path, later, &mut lsns)?;
+                push_frames(&bytes[..checked.end], path, &mut run, &mut apply)?;
+                checked
             }
+        };
+        if let Some(what) = checked.torn {
+            replayed.torn = Some((path.clone(), checked.end, what));
+            // Later segments hold no group (checked); a new writer starts
+            // after all of them.
+            replayed.last_segment = last_sequence;
+            break;
         }
         replayed.last_segment = *sequence;
     }
@@ -165,6 +118,118 @@ pub(in crate::store) fn replay(
     replayed.next_lsn = lsns.expected.unwrap_or(1);
     replayed.next_group = next_group.unwrap_or(1);
     Ok(replayed)
+}
+
+/// Where a segment's frames end, and why: `torn` when that is the log's
+/// torn tail, `None` when the segment ended cleanly (zeros).
+struct Checked {
+    end: usize,
+    torn: Option<&'static str>,
+}
+
+/// Checks every group of `segment` in order — numbers following `next`,
+/// checksums, the LSNs of their frames — keeping nothing, and finds where
+/// they end; corruption (a gap, damage inside a whole group, or a bad
+/// group with a whole later one after it, here or in `later`) is an
+/// error.
+fn check_groups(
+    segment: &Segment,
+    path: &Path,
+    later: &[(u64, PathBuf)],
+    magic: u32,
+    (next_group, lsns): (&mut Option<u64>, &mut LsnCheck),
+    buffer: &mut Vec<u8>,
+) -> Result<Checked, Error> {
+    let mut offset = SEGMENT_HEADER_BYTES;
+    loop {
+        let stopped = match group_at(segment, offset, magic, buffer)? {
+            GroupRead::Whole(group) if next_group.is_some_and(|next| group.number != next) => {
+                return Err(Error::Corrupt(format!(
+                    "write-ahead log {} at byte {offset}: group {} where {} was next; \
+                     refusing to open over a log with a gap",
+                    path.display(),
+                    group.number,
+                    next_group.unwrap_or_default()
+                )));
+            }
+            GroupRead::Whole(group) => {
+                check_group_frames(group.frames, path, offset, lsns)?;
+                *next_group = Some(group.number + 1);
+                offset = group.next;
+                continue;
+            }
+            GroupRead::Zeros => None,
+            GroupRead::Bad(what) => Some(what),
+        };
+        // The segment's groups end here: zeros, or a group that is not
+        // whole. Either is the log's end only if no whole later group
+        // follows: zeros, in this segment (they end a segment that was
+        // full, and the next goes on); a bad group, in this segment or any
+        // later one.
+        let after = next_group.unwrap_or(0);
+        let mut found = later_group(segment, offset + 1, after, magic)?.map(|at| (path, at));
+        let in_later;
+        if found.is_none() && stopped.is_some() {
+            in_later = later_group_in(later, after)?;
+            found = in_later
+                .as_ref()
+                .map(|(later_path, at)| (later_path.as_path(), *at));
+        }
+        return match found {
+            Some((later_path, at)) => Err(Error::Corrupt(format!(
+                "write-ahead log {} at byte {offset}: {}, and a whole later group follows \
+                 ({} at byte {at}); refusing to open over a damaged log",
+                path.display(),
+                stopped.unwrap_or("zeros where a group was due"),
+                later_path.display()
+            ))),
+            None => Ok(Checked {
+                end: offset,
+                torn: stopped,
+            }),
+        };
+    }
+}
+
+/// Checks a segment of the frames-only format: a bad frame ends the log
+/// only in the last segment that holds anything (it has no groups).
+fn check_frames_only(
+    bytes: &[u8],
+    path: &Path,
+    later: &[(u64, PathBuf)],
+    lsns: &mut LsnCheck,
+) -> Result<Checked, Error> {
+    let mut offset = 0;
+    loop {
+        match decode_at(bytes, offset) {
+            Decoded::Frame(frame, next) => {
+                lsns.check(frame.lsn, path, offset)?;
+                lsns.bytes += (next - offset) as u64;
+                offset = next;
+            }
+            Decoded::End => {
+                return Ok(Checked {
+                    end: offset,
+                    torn: None,
+                })
+            }
+            Decoded::Bad(what) => {
+                for (_, later_path) in later {
+                    if Segment::open(later_path)?.holds_anything()? {
+                        return Err(Error::Corrupt(format!(
+                            "write-ahead log {} at byte {offset}: {what}, and later segments \
+                             follow; refusing to open over a damaged log",
+                            path.display()
+                        )));
+                    }
+                }
+                return Ok(Checked {
+                    end: offset,
+                    torn: Some(what),
+                });
+            }
+        }
+    }
 }
 
 /// One segment file, read piece by piece.
@@ -294,6 +359,7 @@ fn later_group(
     magic: u32,
 ) -> Result<Option<usize>, Error> {
     let pattern = magic.to_le_bytes();
+    let range = after..after.saturating_add(LATER_GROUP_RANGE);
     let (mut chunk, mut group_buffer) = (Vec::new(), Vec::new());
     let mut start = from;
     while start + GROUP_HEADER_BYTES <= segment.len {
@@ -303,12 +369,17 @@ fn later_group(
             .enumerate()
             .filter(|(_, window)| *window == pattern);
         for (at, _) in candidates {
-            if let GroupRead::Whole(group) =
-                group_at(segment, start + at, magic, &mut group_buffer)?
-            {
-                if (after..after.saturating_add(LATER_GROUP_RANGE)).contains(&group.number) {
-                    return Ok(Some(start + at));
-                }
+            // The number first: a group far from `after` is not read whole
+            // (it may be as long as the segment) to be dismissed.
+            segment.read(start + at + 4, 8, &mut group_buffer)?;
+            let number = <[u8; 8]>::try_from(group_buffer.as_slice())
+                .map(u64::from_le_bytes)
+                .ok();
+            if !number.is_some_and(|number| range.contains(&number)) {
+                continue;
+            }
+            if let GroupRead::Whole(_) = group_at(segment, start + at, magic, &mut group_buffer)? {
+                return Ok(Some(start + at));
             }
         }
         // The next chunk starts where a pattern cut by this one's end does.
@@ -332,14 +403,13 @@ fn later_group_in(later: &[(u64, PathBuf)], after: u64) -> Result<Option<(PathBu
 }
 
 /// Checks the frames of one whole group (its checksum matched: anything
-/// wrong inside it is corruption, not a tear) and adds them to `run`.
-fn take_group(
+/// wrong inside it is corruption, not a tear): each decodes, and the LSNs
+/// follow.
+fn check_group_frames(
     bytes: &[u8],
     path: &Path,
     group_offset: usize,
     lsns: &mut LsnCheck,
-    run: &mut Run,
-    apply: &mut impl FnMut(&[Frame<'_>]) -> Result<(), Error>,
 ) -> Result<(), Error> {
     let mut offset = 0;
     while offset < bytes.len() {
@@ -352,6 +422,26 @@ fn take_group(
         };
         lsns.check(frame.lsn, path, group_offset)?;
         lsns.bytes += (next - offset) as u64;
+        offset = next;
+    }
+    Ok(())
+}
+
+/// Adds frames already checked to `run`, one by one.
+fn push_frames(
+    bytes: &[u8],
+    path: &Path,
+    run: &mut Run,
+    apply: &mut impl FnMut(&[Frame<'_>]) -> Result<(), Error>,
+) -> Result<(), Error> {
+    let mut offset = 0;
+    while offset < bytes.len() {
+        let Decoded::Frame(_, next) = decode_at(bytes, offset) else {
+            return Err(Error::Corrupt(format!(
+                "write-ahead log {}: a frame checked a moment ago no longer decodes",
+                path.display()
+            )));
+        };
         run.push(&bytes[offset..next], apply)?;
         offset = next;
     }
