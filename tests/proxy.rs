@@ -2102,6 +2102,24 @@ async fn a_keyed_body_slower_than_its_deadline_is_408_and_not_forwarded() {
     assert_eq!(upstream.calls.get("/echo"), 1);
 }
 
+/// Issue 40 item 7: an unkeyed body streamed through is cut off once the
+/// client pauses longer than the header timeout; it held its connection
+/// and the upstream's request open for as long as it liked.
+#[tokio::test]
+async fn an_unkeyed_body_that_stops_coming_is_cut_off() {
+    let upstream = upstream().await;
+    let proxy = proxy_with(&upstream, |config| {
+        config.header_timeout = Duration::from_millis(500);
+    })
+    .await;
+    let answer = raw_answer(
+        proxy.address,
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"a\":",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+}
+
 /// A client that never reads its (32 MiB) answer is cut off once the
 /// proxy's writes have made no progress for the header timeout, instead of
 /// holding its connection, buffers and upstream call for good.

@@ -164,6 +164,8 @@ enum BodyError {
     Hyper(#[from] hyper::Error),
     #[error("the upstream paused longer than the upstream timeout")]
     Paused,
+    #[error("the client paused its request body longer than the header timeout")]
+    ClientPaused,
 }
 
 type ProxyBody = BoxBody<Bytes, BodyError>;
@@ -665,14 +667,14 @@ impl<S: Store> Proxy<S> {
             Some(Err(problem)) => {
                 Answer::rejected(Rejection::InvalidKey(problem.to_string()), protocol)
             }
-            None => Answer::new(
-                self.pass_through(
-                    request.map(|body| body.map_err(BodyError::from).boxed()),
-                    protocol,
+            None => {
+                let idle = self.config.header_timeout;
+                Answer::new(
+                    self.pass_through(request.map(|body| streamed_request(body, idle)), protocol)
+                        .await,
+                    "passed_through",
                 )
-                .await,
-                "passed_through",
-            ),
+            }
         }
     }
 
@@ -1399,16 +1401,38 @@ fn mark_unstored(response: &mut Response<ProxyBody>, stored: bool) {
 /// than `idle` ends it with an error (the client sees the answer cut off).
 fn read_then_rest(read: Bytes, rest: Incoming, idle: Duration) -> ProxyBody {
     let first = futures_util::stream::iter([Ok::<_, BodyError>(Frame::data(read))]);
-    let more = futures_util::stream::unfold(Some(rest), move |body| async move {
-        let mut body = body?;
+    let more = within_pauses(rest, idle, BodyError::Paused);
+    BodyExt::boxed(StreamBody::new(futures_util::StreamExt::chain(first, more)))
+}
+
+/// A request body streamed through (no key): a client that pauses longer
+/// than `idle` between frames is cut off, as a keyed body past its deadline
+/// is — it held a connection and an upstream request open for as long as
+/// it liked.
+fn streamed_request(body: Incoming, idle: Duration) -> ProxyBody {
+    BodyExt::boxed(StreamBody::new(within_pauses(
+        body,
+        idle,
+        BodyError::ClientPaused,
+    )))
+}
+
+/// `body`'s frames as they arrive; a pause longer than `idle` ends it with
+/// `paused`.
+fn within_pauses(
+    body: Incoming,
+    idle: Duration,
+    paused: BodyError,
+) -> impl futures_util::Stream<Item = Result<Frame<Bytes>, BodyError>> {
+    futures_util::stream::unfold(Some((body, paused)), move |state| async move {
+        let (mut body, paused) = state?;
         match tokio::time::timeout(idle, body.frame()).await {
             Ok(None) => None,
-            Ok(Some(Ok(frame))) => Some((Ok(frame), Some(body))),
+            Ok(Some(Ok(frame))) => Some((Ok(frame), Some((body, paused)))),
             Ok(Some(Err(error))) => Some((Err(BodyError::from(error)), None)),
-            Err(_) => Some((Err(BodyError::Paused), None)),
+            Err(_) => Some((Err(paused), None)),
         }
-    });
-    BodyExt::boxed(StreamBody::new(futures_util::StreamExt::chain(first, more)))
+    })
 }
 
 fn replay(
