@@ -20,6 +20,7 @@ use crate::{
         HARD_MAX_RETENTION,
     },
     credentials::{AuthSources, StoreUrlSource, TlsFiles, TokenSource},
+    listen::ConnectionLimits,
     listen::ListenAddr,
     memory_budget::MemoryBudget,
     proxy::{
@@ -27,7 +28,6 @@ use crate::{
         idempotency::{CallerScope, KeySyntax, ReleaseOn, RoutePattern},
         server::{AfterUnknownOutcome, ProxyConfig},
     },
-    server::ConnectionLimits,
     store::{
         postgres::{self, check_schema, PostgresConfig},
         redis::{self, RedisConfig},

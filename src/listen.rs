@@ -1,7 +1,8 @@
 //! Where dedupd listens: TCP addresses and Unix domain sockets (for a shared
 //! `emptyDir` in a pod), parsed from `--listen` and bound before serving;
-//! and the accept loop, which caps the connections of the whole process and
-//! backs off when accepting fails instead of spinning.
+//! the accept loop, which caps the connections of the whole process and
+//! backs off when accepting fails instead of spinning; and the limits every
+//! listener shares (gRPC, the proxy, the webhook): [`ConnectionLimits`].
 
 use std::{
     fmt, fs,
@@ -146,6 +147,53 @@ pub(crate) fn out_of_descriptors(error: &io::Error) -> bool {
     const ENFILE: i32 = 23;
     const EMFILE: i32 = 24;
     matches!(error.raw_os_error(), Some(ENFILE | EMFILE))
+}
+
+/// Limits on connections, so that no client can hold the sidecar: a cap for
+/// the process, streams per connection, keepalive, a maximum age, and the
+/// TLS handshake's time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// Connections open at once over every listener; more wait in the
+    /// kernel's backlog.
+    pub max_connections: usize,
+    /// HTTP/2 streams (calls) one connection may have open at once.
+    pub max_streams_per_connection: u32,
+    /// A connection is asked to close (GOAWAY, in-flight calls finish) after
+    /// this long, so stalled or forgotten ones do not pile up.
+    pub max_connection_age: Duration,
+    /// Ping interval: a peer that does not answer within the timeout is gone.
+    pub keepalive_interval: Duration,
+    /// How long to wait for a keepalive ping's answer.
+    pub keepalive_timeout: Duration,
+    /// Longest a TLS handshake may take, and the longest a new connection
+    /// may take to send its first bytes (the HTTP/2 preface or the TLS
+    /// ClientHello) before it is closed.
+    pub handshake_timeout: Duration,
+}
+
+/// Largest header list (metadata) a call may carry: gRPC's own default
+/// (grpc-go, grpc-java). A larger one ends the connection after at most five
+/// CONTINUATION frames (about 80 KiB read), however large it claims to be.
+pub const MAX_HEADER_LIST_BYTES: u32 = 16 << 10;
+/// Streams a client may open and reset before the server has seen them,
+/// per connection; more is a GOAWAY (the "rapid reset" flood, CVE-2023-44487).
+pub const MAX_PENDING_RESET_STREAMS: usize = 20;
+/// Streams the server may reset for a client's protocol errors before it
+/// ends the connection.
+pub const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 1024;
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits {
+            max_connections: 1000,
+            max_streams_per_connection: 128,
+            max_connection_age: Duration::from_secs(3600),
+            keepalive_interval: Duration::from_secs(30),
+            keepalive_timeout: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(5),
+        }
+    }
 }
 
 /// First pause after a failed accept; it doubles up to [`ACCEPT_BACKOFF_MAX`].

@@ -9,10 +9,16 @@
 //!   what is stored (an answer, or "outcome unknown").
 //! - [`budget`]: the bytes of request bodies and gathered answers held at
 //!   once, in total and per caller.
+//! - `keyed`: a keyed request's life (claim, the one forward, settling);
+//!   `forward`: the upstream call and the answer's body; `answer`: what the
+//!   client is answered.
 //! - [`server`]: the HTTP/1.1 + HTTP/2 server that forwards a keyed request
 //!   at most once, commits, releases, replays and streams, behind the same
 //!   connection defences as the gRPC listener.
 
+mod answer;
 pub mod budget;
+mod forward;
 pub mod idempotency;
+mod keyed;
 pub mod server;
