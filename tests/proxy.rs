@@ -652,8 +652,8 @@ async fn an_http2_client_is_deduplicated_too() {
 }
 
 /// Issue 40 item 7: an HTTP/2 connection that stays (answering PINGs,
-/// sending nothing) is closed at the listener's maximum connection age,
-/// as the gRPC listener's is; it was never closed.
+/// sending nothing more, or nothing at all) is closed at the listener's
+/// maximum connection age, as the gRPC listener's is; it was never closed.
 #[tokio::test]
 async fn an_idle_http2_connection_is_closed_at_its_maximum_age() {
     let upstream = upstream().await;
@@ -679,6 +679,21 @@ async fn an_idle_http2_connection_is_closed_at_its_maximum_age() {
     );
     let closed = tokio::time::timeout(Duration::from_secs(5), connection).await;
     assert!(closed.is_ok(), "the connection was still open after 5 s");
+
+    // One that never sends a request at all, only answering PINGs.
+    let stream = tokio::net::TcpStream::connect(proxy.address).await.unwrap();
+    let (_sender, connection) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .timer(hyper_util::rt::TokioTimer::new())
+        .keep_alive_interval(Duration::from_millis(100))
+        .keep_alive_while_idle(true)
+        .handshake::<_, Full<Bytes>>(TokioIo::new(stream))
+        .await
+        .unwrap();
+    let closed = tokio::time::timeout(Duration::from_secs(5), connection).await;
+    assert!(
+        closed.is_ok(),
+        "a connection without requests was still open after 5 s"
+    );
 }
 
 /// A request without a key is streamed both ways, never buffered: each

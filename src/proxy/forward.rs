@@ -3,7 +3,12 @@
 //! never left, and the answer's body as it comes back — gathered to be
 //! stored, or streamed on within its pauses.
 
-use std::time::Duration;
+use std::{
+    future::Future,
+    pin::Pin,
+    task::{Context, Poll},
+    time::Duration,
+};
 
 use bytes::{Bytes, BytesMut};
 use http::{header, HeaderValue, Request, Response, Uri};
@@ -69,13 +74,56 @@ pub(super) fn read_then_rest(read: Bytes, rest: Incoming, idle: Duration) -> Pro
 /// A request body streamed through (no key): a client that pauses longer
 /// than `idle` between frames is cut off, as a keyed body past its deadline
 /// is — it held a connection and an upstream request open for as long as
-/// it liked.
-pub(super) fn streamed_request(body: Incoming, idle: Duration) -> ProxyBody {
-    BodyExt::boxed(StreamBody::new(within_pauses(
-        body,
-        idle,
-        BodyError::ClientPaused,
-    )))
+/// it liked. Its end and size still show (a request without a body must
+/// not go upstream chunked). Not for gRPC calls: a streaming call may be
+/// idle by design.
+pub(super) fn streamed_request(body: Incoming, idle: Duration, protocol: Protocol) -> ProxyBody {
+    match protocol {
+        Protocol::Grpc => body.map_err(BodyError::from).boxed(),
+        Protocol::Http => PausesBounded {
+            body,
+            idle,
+            pause: Box::pin(tokio::time::sleep(idle)),
+        }
+        .boxed(),
+    }
+}
+
+/// A client's body whose frames may not pause longer than `idle`.
+struct PausesBounded {
+    body: Incoming,
+    idle: Duration,
+    pause: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl hyper::body::Body for PausesBounded {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        match Pin::new(&mut self.body).poll_frame(context) {
+            Poll::Ready(frame) => {
+                let next = tokio::time::Instant::now() + self.idle;
+                self.pause.as_mut().reset(next);
+                Poll::Ready(frame.map(|frame| frame.map_err(BodyError::from)))
+            }
+            Poll::Pending => match self.pause.as_mut().poll(context) {
+                Poll::Ready(()) => Poll::Ready(Some(Err(BodyError::ClientPaused))),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
 }
 
 /// `body`'s frames as they arrive; a pause longer than `idle` ends it with

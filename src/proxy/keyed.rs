@@ -30,12 +30,19 @@ use super::{
 };
 use crate::{
     domain::{
-        ClaimOutcome, ClaimRequest, CommitRequest, Key, LeaseToken, ReleaseRequest, RenewRequest,
+        ClaimOutcome, ClaimRequest, CommitRequest, Key, LeaseToken, RecordState, ReleaseRequest,
+        RenewRequest,
     },
     error::Error,
     store::Store,
     telemetry,
 };
+
+/// Claims whose answers were lost that are given back at once (more are
+/// left to their leases).
+pub(super) const ORPHANS: usize = 64;
+/// How long a claim whose answer was lost is looked for, at least.
+const ORPHAN_PATIENCE: Duration = Duration::from_secs(60);
 
 /// How often a waiting retry looks again while the first request runs.
 pub(super) const IN_FLIGHT_POLL: Duration = Duration::from_millis(20);
@@ -271,53 +278,70 @@ impl<S: Store> Proxy<S> {
     /// The store did not answer `claim`, which it may have applied all the
     /// same (its answer lost on the way). Nothing was forwarded, so a claim
     /// stored under this attempt's request ID is given back in the
-    /// background: claimed again with the same ID (the same claim comes
-    /// back while its lease lasts) and released, so that the client's retry
-    /// is sent — left alone, it found the key held (409), then, once the
-    /// lease ended, a recovered claim it had to call "outcome unknown".
-    /// A claim that came back *recovered* had another holder before it,
-    /// which may have sent the request: settled as any recovered claim is.
+    /// background once the store answers: looked up, and released with its
+    /// own token (a release needs no live lease, only that nobody claimed
+    /// since) — left alone, the client's retry found the key held (409),
+    /// then, once the lease ended, a recovered claim it had to call
+    /// "outcome unknown". Only a claim of this attempt's request ID is
+    /// touched, and nothing is ever claimed here; one that *recovered* an
+    /// earlier holder's, which may have sent the request, is settled as any
+    /// recovered claim is. At most [`ORPHANS`] at once: in an outage every
+    /// failed claim would start one.
     pub(super) fn release_orphan(self: &Arc<Self>, claim: ClaimRequest) {
+        let Ok(slot) = Arc::clone(&self.orphans).try_acquire_owned() else {
+            tracing::warn!(
+                "too many claims whose answers were lost are being given back; this one is \
+                 left to end with its lease"
+            );
+            return;
+        };
         let proxy = Arc::clone(self);
         self.tasks.spawn(
             async move {
-                let give_up = Instant::now() + claim.lease_ttl;
+                let _slot = slot;
+                let give_up = Instant::now() + claim.lease_ttl.max(ORPHAN_PATIENCE);
                 let mut pause = Duration::from_millis(100);
                 while Instant::now() + pause < give_up {
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_secs(1));
-                    match proxy.engine.claim(&claim).await {
-                        Ok(ClaimOutcome::Claimed { record, recovered }) => {
-                            let (key, token) = (claim.key.clone(), record.lease_token);
-                            if recovered {
-                                let reason = "an earlier attempt's proxy stopped while the \
-                                              request may have been with the service";
-                                // The protocol only shapes an answer nobody reads.
-                                proxy
-                                    .unknown_outcome(key, token, reason.into(), Protocol::Http)
-                                    .await;
-                            } else if proxy.release(key, token).await {
-                                tracing::info!(
-                                    "a claim whose answer the store lost was released; \
-                                     the request was never sent"
-                                );
-                            }
-                            return;
-                        }
-                        // Another attempt holds it, or it is settled.
-                        Ok(_) => return,
+                    let record = match proxy.engine.lookup(&claim.key).await {
+                        Ok(record) => record,
                         Err(error) if error.may_pass() => {
                             tracing::debug!(%error, "orphaned claim: the store still fails");
+                            continue;
                         }
                         Err(error) => {
                             tracing::warn!(%error, "orphaned claim: not released");
                             return;
                         }
+                    };
+                    let Some(record) = record.filter(|record| {
+                        record.state == RecordState::Claimed
+                            && record.request_id == claim.request_id
+                    }) else {
+                        // Never stored, or another attempt's, or settled.
+                        return;
+                    };
+                    let (key, token) = (claim.key.clone(), record.lease_token);
+                    if record.recovered {
+                        let reason = "an earlier attempt's proxy stopped while the request may \
+                                      have been with the service";
+                        // The protocol only shapes an answer nobody reads.
+                        proxy
+                            .unknown_outcome(key, token, reason.into(), Protocol::Http)
+                            .await;
+                    } else if proxy.release(key, token).await {
+                        tracing::info!(
+                            "a claim whose answer the store lost was released; the request \
+                             was never sent"
+                        );
                     }
+                    return;
                 }
                 tracing::warn!(
-                    "the store did not answer for a whole lease: a claim it may hold for a \
-                     request never sent ends as a recovered claim (outcome unknown)"
+                    "the store did not answer for as long as a claim whose answer was lost is \
+                     looked for: if it holds one, its retry ends as a recovered claim (outcome \
+                     unknown)"
                 );
             }
             .in_current_span(),

@@ -155,6 +155,9 @@ pub(super) struct Proxy<S> {
     /// The bytes of keyed request bodies and of answers gathered to be
     /// stored that may be held at once.
     pub(super) budgets: Budgets,
+    /// Slots for the background tasks that give back claims whose answers
+    /// were lost ([`super::keyed::ORPHANS`]).
+    pub(super) orphans: Arc<Semaphore>,
     /// Every keyed request's detached task, so that shutdown lets them
     /// settle their records.
     pub(super) tasks: tokio_util::task::TaskTracker,
@@ -178,15 +181,15 @@ pub async fn serve<S: Store>(
     connector.set_connect_timeout(Some((config.upstream_timeout / 2).min(CONNECT_TIMEOUT)));
     // Idle connections are dropped before the upstream's own keep-alive
     // timeout would close them under a request being written.
-    let client = || {
-        let mut builder = Client::builder(TokioExecutor::new());
-        builder
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(config.upstream_idle_timeout);
-        builder
-    };
-    let http1 = client().build(connector.clone());
-    let http2 = client().http2_only(true).build(connector);
+    // (HTTP/1's race: HTTP/2 closes with a GOAWAY that names the last
+    // stream processed, and a refused stream counts as not sent.)
+    let http1 = Client::builder(TokioExecutor::new())
+        .pool_timer(TokioTimer::new())
+        .pool_idle_timeout(config.upstream_idle_timeout)
+        .build(connector.clone());
+    let http2 = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build(connector);
     let budgets = Budgets::new(
         config.max_request_bytes,
         config.scope != CallerScope::Shared,
@@ -227,6 +230,7 @@ pub async fn serve<S: Store>(
         http1,
         http2,
         budgets,
+        orphans: Arc::new(Semaphore::new(super::keyed::ORPHANS)),
         tasks: tokio_util::task::TaskTracker::new(),
     });
     crate::listen::serve_tcp_capped(
@@ -241,13 +245,13 @@ pub async fn serve<S: Store>(
                 let peer = stream.connect_info().remote_addr();
                 let limits = proxy.config.connections;
                 let header_timeout = proxy.config.header_timeout;
-                // Whether the client speaks HTTP/2 (seen on its first
-                // request): only such a connection is closed for its age.
-                let http2 = Arc::new(AtomicBool::new(false));
-                let speaks_http2 = Arc::clone(&http2);
+                // Whether the client has sent an HTTP/1 request: such a
+                // connection is not closed for its age.
+                let http1 = Arc::new(AtomicBool::new(false));
+                let speaks_http1 = Arc::clone(&http1);
                 let service = hyper::service::service_fn(move |request: Request<Incoming>| {
-                    if request.version() == http::Version::HTTP_2 {
-                        speaks_http2.store(true, Ordering::Relaxed);
+                    if request.version() < http::Version::HTTP_2 {
+                        speaks_http1.store(true, Ordering::Relaxed);
                     }
                     let proxy = Arc::clone(&proxy);
                     async move { Ok::<_, Infallible>(proxy.handle(request).await) }
@@ -274,7 +278,7 @@ pub async fn serve<S: Store>(
                 let stream = crate::listen::WriteDeadline::new(stream, header_timeout);
                 let connection = builder.serve_connection(TokioIo::new(stream), service);
                 let ended =
-                    crate::listen::until_stopped(connection, &stopping, aged(limits, http2)).await;
+                    crate::listen::until_stopped(connection, &stopping, aged(limits, http1)).await;
                 if let Err(error) = ended {
                     tracing::debug!(?peer, %error, "proxy connection ended with an error");
                 }
@@ -370,8 +374,11 @@ impl<S: Store> Proxy<S> {
             None => {
                 let idle = self.config.header_timeout;
                 Answer::new(
-                    self.pass_through(request.map(|body| streamed_request(body, idle)), protocol)
-                        .await,
+                    self.pass_through(
+                        request.map(|body| streamed_request(body, idle, protocol)),
+                        protocol,
+                    )
+                    .await,
                     "passed_through",
                 )
             }
@@ -388,15 +395,17 @@ impl<S: Store> Proxy<S> {
     }
 }
 
-/// Resolves when an HTTP/2 connection is `--max-connection-age` old, give
-/// or take a tenth (so that connections opened together do not all close
-/// together); never for HTTP/1, whose idle connections the header timeout
-/// closes, and where closing between requests could race one the client has
-/// just written (its answer lost, though nothing was forwarded).
-async fn aged(limits: ConnectionLimits, http2: Arc<AtomicBool>) {
+/// Resolves when a connection is `--max-connection-age` old, give or take
+/// a tenth (so that connections opened together do not all close
+/// together), unless it carried an HTTP/1 request: closing one between
+/// requests could race a request the client has just written (its answer
+/// lost, though nothing was forwarded), and an idle HTTP/1 connection is
+/// closed by the header timeout anyway. So an HTTP/2 connection is, with or
+/// without requests (one that only answers PINGs would live for good).
+async fn aged(limits: ConnectionLimits, http1: Arc<AtomicBool>) {
     let jitter = 0.9 + rand::random::<f64>() / 5.0;
     tokio::time::sleep(limits.max_connection_age.mul_f64(jitter)).await;
-    if !http2.load(Ordering::Relaxed) {
+    if http1.load(Ordering::Relaxed) {
         std::future::pending::<()>().await;
     }
 }

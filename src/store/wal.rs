@@ -588,29 +588,38 @@ mod tests {
         assert!(matches!(error, Error::Corrupt(_)), "{error}");
     }
 
-    /// A log the store refuses to open over leaves nothing of the damaged
-    /// segment applied, however many whole frames come before the damage
-    /// (more than a run's worth here): sled may hold changes newer than
-    /// the damage, which those older frames must not overwrite, and an
-    /// operator restores over what the crash left.
+    /// A log the store refuses to open over leaves nothing applied,
+    /// however many whole frames come before the damage (more than a run's
+    /// worth here), in its segment or an earlier one: sled may hold changes
+    /// newer than the damage, which those older frames must not overwrite,
+    /// and an operator restores over what the crash left.
     #[test]
-    fn a_refusal_applies_nothing_of_the_damaged_segment() {
-        let dir = tempfile::tempdir().unwrap();
+    fn a_refusal_applies_nothing() {
         let many = RUN_FRAMES as u64 + 10;
         let groups = [
             frames(1..many),
             frames(many..many + 3),
             frames(many + 3..many + 6),
         ];
+        let refused = |directory: &Path| {
+            let mut applied = 0;
+            let refused = replay(directory, |frames| {
+                applied += frames.len();
+                Ok(())
+            });
+            assert!(matches!(refused, Err(Error::Corrupt(_))), "{refused:?}");
+            assert_eq!(applied, 0);
+        };
+        // The damage in the segment of the frames before it.
+        let dir = tempfile::tempdir().unwrap();
         let (path, starts) = write_groups(dir.path(), 1, 1, &groups);
         flip(&path, starts[1] + GROUP_HEADER_BYTES + 5);
-        let mut applied = 0;
-        let refused = replay(dir.path(), |frames| {
-            applied += frames.len();
-            Ok(())
-        });
-        assert!(matches!(refused, Err(Error::Corrupt(_))), "{refused:?}");
-        assert_eq!(applied, 0);
+        refused(dir.path());
+        // In a later segment: a gap in the group numbers where it starts.
+        let dir = tempfile::tempdir().unwrap();
+        write_groups(dir.path(), 1, 1, &groups[..1]);
+        write_groups(dir.path(), 2, 3, &groups[1..]);
+        refused(dir.path());
     }
 
     /// A group header with a matching checksum inside an answer (a client's

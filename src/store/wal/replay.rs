@@ -48,69 +48,83 @@ pub(in crate::store) struct Replayed {
 
 /// Calls `apply` with the frames of the segments in `directory`, in
 /// order, in runs of at most [`RUN_FRAMES`] frames, stopping at a torn
-/// tail (see the parent module's docs). A segment is read twice: first
-/// every frame of it is checked (group numbers, checksums, LSNs, and where
-/// its groups end), keeping nothing; only then are its frames applied. So
-/// a log the store refuses to open over leaves nothing of the damaged
-/// segment in sled: what an operator moves aside, or restores over, is
-/// what the crash left (sled may hold changes newer than the damage, which
-/// the segment's older frames must not overwrite).
+/// tail (see the parent module's docs). The log is read twice: first every
+/// frame of every segment is checked (group numbers, checksums, LSNs, and
+/// where each segment's groups end), keeping nothing; only then is any
+/// frame applied. So a log the store refuses to open over leaves sled as
+/// the crash left it — sled may hold changes newer than the damage, which
+/// the log's older frames must not overwrite, and it is what an operator
+/// moves aside or restores over.
 pub(in crate::store) fn replay(
     directory: &Path,
     mut apply: impl FnMut(&[Frame<'_>]) -> Result<(), Error>,
 ) -> Result<Replayed, Error> {
     let segments = segments(directory)?;
     let last_sequence = segments.last().map_or(0, |(sequence, _)| *sequence);
-    let mut replayed = Replayed::default();
     let mut lsns = LsnCheck::default();
-    let mut run = Run::default();
     let mut next_group: Option<u64> = None;
     let mut group_buffer = Vec::new();
+    let mut checked = Vec::with_capacity(segments.len());
     for (index, (sequence, path)) in segments.iter().enumerate() {
         let segment = Segment::open(path)?;
         let later = &segments[index + 1..];
-        let checked = match segment.group_magic()? {
+        let magic = segment.group_magic()?;
+        let ends = match magic {
+            Some(magic) => check_groups(
+                &segment,
+                path,
+                later,
+                magic,
+                (&mut next_group, &mut lsns),
+                &mut group_buffer,
+            )?,
+            // The frames-only format from before group headers: small
+            // segments of an old data directory, read whole.
+            None => check_frames_only(&std::fs::read(path)?, path, later, &mut lsns)?,
+        };
+        let torn = ends.torn.is_some();
+        checked.push((*sequence, path, magic, ends));
+        if torn {
+            break;
+        }
+    }
+
+    let mut replayed = Replayed::default();
+    let mut run = Run::default();
+    for (sequence, path, magic, ends) in checked {
+        match magic {
             Some(magic) => {
-                let checked = check_groups(
-                    &segment,
-                    path,
-                    later,
-                    magic,
-                    (&mut next_group, &mut lsns),
-                    &mut group_buffer,
-                )?;
+                let segment = Segment::open(path)?;
                 let mut offset = SEGMENT_HEADER_BYTES;
-                while offset < checked.end {
+                while offset < ends.end {
                     let GroupRead::Whole(group) =
                         group_at(&segment, offset, magic, &mut group_buffer)?
                     else {
-                        return Err(Error::Corrupt(format!(
-                            "write-ahead log {} at byte {offset}: changed while it was replayed",
-                            path.display()
-                        )));
+                        return Err(changed(path, offset));
                     };
                     offset = group.next;
                     push_frames(group.frames, path, &mut run, &mut apply)?;
                 }
-                checked
+                if offset != ends.end {
+                    return Err(changed(path, offset));
+                }
             }
             None => {
-                // The frames-only format from before group headers: small
-                // segments of an old data directory, read whole.
                 let bytes = std::fs::read(path)?;
-                let checked = check_frames_only(&bytes, path, later, &mut lsns)?;
-                push_frames(&bytes[..checked.end], path, &mut run, &mut apply)?;
-                checked
+                let frames = bytes
+                    .get(..ends.end)
+                    .ok_or_else(|| changed(path, ends.end))?;
+                push_frames(frames, path, &mut run, &mut apply)?;
             }
-        };
-        if let Some(what) = checked.torn {
-            replayed.torn = Some((path.clone(), checked.end, what));
+        }
+        if let Some(what) = ends.torn {
+            replayed.torn = Some((path.clone(), ends.end, what));
             // Later segments hold no group (checked); a new writer starts
             // after all of them.
             replayed.last_segment = last_sequence;
             break;
         }
-        replayed.last_segment = *sequence;
+        replayed.last_segment = sequence;
     }
     run.apply(&mut apply)?;
     replayed.frames = lsns.frames;
@@ -118,6 +132,15 @@ pub(in crate::store) fn replay(
     replayed.next_lsn = lsns.expected.unwrap_or(1);
     replayed.next_group = next_group.unwrap_or(1);
     Ok(replayed)
+}
+
+/// A segment that no longer reads as it did a moment ago (the store holds
+/// the data directory's lock: only something outside dedupd writes it).
+fn changed(path: &Path, offset: usize) -> Error {
+    Error::Corrupt(format!(
+        "write-ahead log {} at byte {offset}: changed while it was replayed",
+        path.display()
+    ))
 }
 
 /// Where a segment's frames end, and why: `torn` when that is the log's
