@@ -77,6 +77,17 @@ mod counts {
     }
 }
 
+impl Upstream {
+    /// A service at `address` this test does not count calls of.
+    fn elsewhere(address: SocketAddr) -> Upstream {
+        Upstream {
+            address,
+            calls: Arc::new(counts::Counts::default()),
+            store_down: Arc::new(AtomicBool::new(false)),
+        }
+    }
+}
+
 async fn upstream() -> Upstream {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
@@ -345,6 +356,16 @@ async fn send(
     }
 }
 
+/// A client that speaks HTTP/2 only (prior knowledge).
+fn http2_client() -> hyper_util::client::legacy::Client<
+    hyper_util::client::legacy::connect::HttpConnector,
+    Full<Bytes>,
+> {
+    hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http::<Full<Bytes>>()
+}
+
 /// A POST with `key` from one caller: most tests' request.
 async fn post(address: SocketAddr, path: &str, key: &str, body: &str) -> Answer {
     send(address, Method::POST, path, Some(key), Some(CALLER), body).await
@@ -487,7 +508,8 @@ async fn a_server_error_after_the_work_is_replayed_and_a_429_releases_the_key() 
 
 /// The operator's "did not act" set replaces the default: a service that
 /// sheds load with its own 503 (no gateway in front) releases with
-/// `--release-on-status 503`; 429 is then an outcome like any other.
+/// `--release-on-status 503`; 429 is then an outcome like any other. (By
+/// default a 503 is a gateway's: `a_gateway_timeout_is_an_unknown_outcome`.)
 #[tokio::test]
 async fn the_release_statuses_are_the_operators() {
     let upstream = upstream().await;
@@ -511,15 +533,6 @@ async fn the_release_statuses_are_the_operators() {
     );
     assert_eq!(upstream.calls.get("/shed"), 2);
     assert_eq!(upstream.calls.get("/busy"), 1);
-
-    // By default a 503 is a gateway's: outcome unknown, never sent again.
-    let defaults = proxy_with(&upstream, |_| {}).await;
-    let shed = post(defaults.address, "/shed", "\"t\"", "{}").await;
-    assert_eq!(shed.status, StatusCode::SERVICE_UNAVAILABLE);
-    let retry = post(defaults.address, "/shed", "\"t\"", "{}").await;
-    assert_eq!(retry.status, StatusCode::BAD_GATEWAY);
-    assert_eq!(problem_type(&retry), "outcome-unknown");
-    assert_eq!(upstream.calls.get("/shed"), 3);
 }
 
 /// Issue 40 item 4: two `Idempotency-Key` lines are one invalid value
@@ -629,9 +642,7 @@ async fn bad_or_missing_keys_are_400_and_other_requests_pass_through() {
 async fn an_http2_client_is_deduplicated_too() {
     let upstream = upstream().await;
     let proxy = proxy(&upstream).await;
-    let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
-        .http2_only(true)
-        .build_http::<Full<Bytes>>();
+    let client = http2_client();
     let mut statuses = Vec::new();
     for _ in 0..2 {
         let request = Request::post(format!("http://{}/echo", proxy.address))
@@ -1016,11 +1027,7 @@ async fn an_http_1_0_upstream_is_answered_in_the_clients_version() {
             });
         }
     });
-    let upstream = Upstream {
-        address,
-        calls: Arc::new(counts::Counts::default()),
-        store_down: Arc::new(AtomicBool::new(false)),
-    };
+    let upstream = Upstream::elsewhere(address);
     let proxy = proxy(&upstream).await;
     let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
         .build_http::<Full<Bytes>>();
@@ -1079,11 +1086,7 @@ async fn a_response_too_large_to_keep_is_answered_once_and_not_replayed() {
 async fn grpc_unary_calls_are_replayed_with_their_status() {
     use dedupd::proto::v1::{self as pb, claim_and_commit_client::ClaimAndCommitClient};
     let service = common::TestServer::start().await;
-    let upstream = Upstream {
-        address: service.addr,
-        calls: Arc::new(counts::Counts::default()),
-        store_down: Arc::new(AtomicBool::new(false)),
-    };
+    let upstream = Upstream::elsewhere(service.addr);
     let proxy = proxy(&upstream).await;
     let channel = tonic::transport::Channel::from_shared(format!("http://{}", proxy.address))
         .unwrap()
@@ -1308,11 +1311,7 @@ async fn a_reset_is_an_unknown_outcome_but_a_refused_connection_releases() {
 
     // A port nobody listens on.
     let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let nowhere = Upstream {
-        address: closed.local_addr().unwrap(),
-        calls: Arc::new(counts::Counts::default()),
-        store_down: Arc::new(AtomicBool::new(false)),
-    };
+    let nowhere = Upstream::elsewhere(closed.local_addr().unwrap());
     drop(closed);
     let refusing = self::proxy(&nowhere).await;
     for _ in 0..2 {
@@ -1880,15 +1879,9 @@ async fn refusing_h2_upstream() -> (SocketAddr, Arc<std::sync::atomic::AtomicUsi
 #[tokio::test]
 async fn a_refused_stream_was_not_sent_and_the_retry_is() {
     let (address, streams) = refusing_h2_upstream().await;
-    let upstream = Upstream {
-        address,
-        calls: Arc::new(counts::Counts::default()),
-        store_down: Arc::new(AtomicBool::new(false)),
-    };
+    let upstream = Upstream::elsewhere(address);
     let proxy = proxy(&upstream).await;
-    let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
-        .http2_only(true)
-        .build_http::<Full<Bytes>>();
+    let client = http2_client();
     let mut codes = Vec::new();
     for _ in 0..2 {
         let request = Request::post(format!("http://{}/shop.Orders/Create", proxy.address))
@@ -2079,20 +2072,30 @@ async fn a_96_mib_keyed_answer_streams_in_bounded_memory() {
     assert_eq!(upstream.calls.get("/big"), 1);
 }
 
-/// A 504 from a gateway in front of the service means the service may have
+/// A 504 (or, by default, a 503: Envoy's "upstream reset before headers")
+/// from a gateway in front of the service means the service may have
 /// acted: the first client gets that answer, retries get outcome-unknown.
 #[tokio::test]
 async fn a_gateway_timeout_is_an_unknown_outcome() {
     let upstream = upstream().await;
     let proxy = proxy(&upstream).await;
-    let first = post(proxy.address, "/gateway-timeout", "gw-1", "{}").await;
-    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT);
-    assert_eq!(first.body, "upstream request timeout");
-    let retry = post(proxy.address, "/gateway-timeout", "gw-1", "{}").await;
-    assert_eq!(retry.status, StatusCode::BAD_GATEWAY);
-    assert_eq!(problem_type(&retry), "outcome-unknown");
-    assert!(retry.body.contains("504"), "{}", retry.body);
-    assert_eq!(upstream.calls.get("/gateway-timeout"), 1);
+    for (path, status, body) in [
+        (
+            "/gateway-timeout",
+            StatusCode::GATEWAY_TIMEOUT,
+            "upstream request timeout",
+        ),
+        ("/shed", StatusCode::SERVICE_UNAVAILABLE, "shedding"),
+    ] {
+        let first = post(proxy.address, path, "gw-1", "{}").await;
+        assert_eq!(first.status, status);
+        assert_eq!(first.body, body);
+        let retry = post(proxy.address, path, "gw-1", "{}").await;
+        assert_eq!(retry.status, StatusCode::BAD_GATEWAY);
+        assert_eq!(problem_type(&retry), "outcome-unknown");
+        assert!(retry.body.contains(status.as_str()), "{}", retry.body);
+        assert_eq!(upstream.calls.get(path), 1);
+    }
 }
 
 /// A keyed body slower than the body deadline is answered 408 and never
