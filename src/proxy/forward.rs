@@ -12,7 +12,7 @@ use std::{
 
 use bytes::{Bytes, BytesMut};
 use http::{header, HeaderValue, Request, Response, Uri};
-use http_body_util::{BodyExt, StreamBody};
+use http_body_util::BodyExt;
 use hyper::body::{Frame, Incoming};
 use tracing::Instrument;
 
@@ -66,9 +66,7 @@ pub(super) fn refused_stream(error: &hyper_util::client::legacy::Error) -> bool 
 /// What was read of an answer, then the rest as it arrives; a pause longer
 /// than `idle` ends it with an error (the client sees the answer cut off).
 pub(super) fn read_then_rest(read: Bytes, rest: Incoming, idle: Duration) -> ProxyBody {
-    let first = futures_util::stream::iter([Ok::<_, BodyError>(Frame::data(read))]);
-    let more = within_pauses(rest, idle, BodyError::Paused);
-    BodyExt::boxed(StreamBody::new(futures_util::StreamExt::chain(first, more)))
+    PausesBounded::new(Some(read), rest, idle, || BodyError::Paused).boxed()
 }
 
 /// A request body streamed through (no key): a client that pauses longer
@@ -80,23 +78,42 @@ pub(super) fn read_then_rest(read: Bytes, rest: Incoming, idle: Duration) -> Pro
 pub(super) fn streamed_request(body: Incoming, idle: Duration, protocol: Protocol) -> ProxyBody {
     match protocol {
         Protocol::Grpc => body.map_err(BodyError::from).boxed(),
-        Protocol::Http => PausesBounded {
-            body,
-            idle,
-            pause: Box::pin(tokio::time::sleep(idle)),
-        }
-        .boxed(),
+        Protocol::Http => PausesBounded::new(None, body, idle, || BodyError::ClientPaused).boxed(),
     }
 }
 
-/// A client's body whose frames may not pause longer than `idle`.
-struct PausesBounded {
-    body: Incoming,
+/// A body (after `first`, if any) whose source may not pause longer than
+/// `idle` while it is asked for its next frame: the time counts from when
+/// it is asked, so a reader that is itself slow (a client not reading, an
+/// upstream pushing back) is not taken for a pause of the source.
+struct PausesBounded<B> {
+    first: Option<Bytes>,
+    body: B,
     idle: Duration,
     pause: Pin<Box<tokio::time::Sleep>>,
+    /// Asked for a frame the source has not given yet: `pause` runs.
+    waiting: bool,
+    paused: fn() -> BodyError,
 }
 
-impl hyper::body::Body for PausesBounded {
+impl<B> PausesBounded<B> {
+    fn new(first: Option<Bytes>, body: B, idle: Duration, paused: fn() -> BodyError) -> Self {
+        PausesBounded {
+            first,
+            body,
+            idle,
+            pause: Box::pin(tokio::time::sleep(idle)),
+            waiting: false,
+            paused,
+        }
+    }
+}
+
+impl<B> hyper::body::Body for PausesBounded<B>
+where
+    B: hyper::body::Body<Data = Bytes> + Unpin,
+    B::Error: Into<BodyError>,
+{
     type Data = Bytes;
     type Error = BodyError;
 
@@ -104,44 +121,38 @@ impl hyper::body::Body for PausesBounded {
         mut self: Pin<&mut Self>,
         context: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        if let Some(first) = self.first.take() {
+            return Poll::Ready(Some(Ok(Frame::data(first))));
+        }
+        if !self.waiting {
+            self.waiting = true;
+            let until = tokio::time::Instant::now() + self.idle;
+            self.pause.as_mut().reset(until);
+        }
         match Pin::new(&mut self.body).poll_frame(context) {
             Poll::Ready(frame) => {
-                let next = tokio::time::Instant::now() + self.idle;
-                self.pause.as_mut().reset(next);
-                Poll::Ready(frame.map(|frame| frame.map_err(BodyError::from)))
+                self.waiting = false;
+                Poll::Ready(frame.map(|frame| frame.map_err(Into::into)))
             }
             Poll::Pending => match self.pause.as_mut().poll(context) {
-                Poll::Ready(()) => Poll::Ready(Some(Err(BodyError::ClientPaused))),
+                Poll::Ready(()) => Poll::Ready(Some(Err((self.paused)()))),
                 Poll::Pending => Poll::Pending,
             },
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        self.first.is_none() && self.body.is_end_stream()
     }
 
     fn size_hint(&self) -> hyper::body::SizeHint {
-        self.body.size_hint()
-    }
-}
-
-/// `body`'s frames as they arrive; a pause longer than `idle` ends it with
-/// `paused`.
-pub(super) fn within_pauses(
-    body: Incoming,
-    idle: Duration,
-    paused: BodyError,
-) -> impl futures_util::Stream<Item = Result<Frame<Bytes>, BodyError>> {
-    futures_util::stream::unfold(Some((body, paused)), move |state| async move {
-        let (mut body, paused) = state?;
-        match tokio::time::timeout(idle, body.frame()).await {
-            Ok(None) => None,
-            Ok(Some(Ok(frame))) => Some((Ok(frame), Some((body, paused)))),
-            Ok(Some(Err(error))) => Some((Err(BodyError::from(error)), None)),
-            Err(_) => Some((Err(paused), None)),
+        match &self.first {
+            // As a streamed answer's always was: unknown (the answer keeps
+            // its own Content-Length).
+            Some(_) => hyper::body::SizeHint::default(),
+            None => self.body.size_hint(),
         }
-    })
+    }
 }
 
 pub(super) fn strip_hop_by_hop(headers: &mut http::HeaderMap) {
@@ -272,5 +283,54 @@ impl<S: Store> Proxy<S> {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The pause counts from when the next frame is asked for: a reader
+    /// that stayed away longer than `idle` is not answered "paused" by a
+    /// source that then takes a moment.
+    #[tokio::test(start_paused = true)]
+    async fn a_pause_counts_from_when_the_next_frame_is_asked_for() {
+        let (send, receive) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BodyError>>(4);
+        let source =
+            http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(receive));
+        let idle = Duration::from_millis(500);
+        let mut body = PausesBounded::new(Some(Bytes::from_static(b"a")), source, idle, || {
+            BodyError::Paused
+        });
+        assert_eq!(
+            body.frame().await.unwrap().unwrap().into_data().unwrap(),
+            "a"
+        );
+        send.send(Ok(Frame::data(Bytes::from_static(b"b"))))
+            .await
+            .unwrap();
+        assert_eq!(
+            body.frame().await.unwrap().unwrap().into_data().unwrap(),
+            "b"
+        );
+        // The reader is away for four times `idle`; the source answers
+        // 100 ms after it asks again.
+        tokio::time::sleep(idle * 4).await;
+        let late = send.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            late.send(Ok(Frame::data(Bytes::from_static(b"c"))))
+                .await
+                .unwrap();
+        });
+        assert_eq!(
+            body.frame().await.unwrap().unwrap().into_data().unwrap(),
+            "c"
+        );
+        // A source that pauses longer than `idle` while asked is cut off.
+        let asked = tokio::time::Instant::now();
+        assert!(matches!(body.frame().await, Some(Err(BodyError::Paused))));
+        assert_eq!(asked.elapsed(), idle);
+        drop(send);
     }
 }
