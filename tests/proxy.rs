@@ -1211,12 +1211,24 @@ async fn a_retry_can_wait_for_the_first_requests_result() {
     assert_eq!(upstream.calls.get("/orders"), 1);
 }
 
-/// Sends `request` (headers of the caller's choosing) and reads the answer.
+/// Sends `request` (headers of the caller's choosing) to `/cookie` and
+/// reads the answer.
 async fn exchange(address: SocketAddr, request: http::request::Builder, body: &str) -> Answer {
+    exchange_at(address, "/cookie", request, body).await
+}
+
+/// Sends `request` (headers of the caller's choosing) to `path` and reads
+/// the answer.
+async fn exchange_at(
+    address: SocketAddr,
+    path: &str,
+    request: http::request::Builder,
+    body: &str,
+) -> Answer {
     let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
         .build_http::<Full<Bytes>>();
     let request = request
-        .uri(format!("http://{address}{}", "/cookie"))
+        .uri(format!("http://{address}{path}"))
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body.to_owned())))
         .unwrap();
@@ -2163,4 +2175,278 @@ async fn a_client_that_never_reads_is_cut_off() {
         "the whole answer ({received} bytes) was delivered: nothing was cut off"
     );
     assert_eq!(upstream.calls.get("/big"), 1);
+}
+
+/// Issue 40 item 7: an HTTP/2 client that grants no window (initial window
+/// 0, no WINDOW_UPDATE) has each answer's stream reset once it made no
+/// room for the answer within the header timeout — keyed or not. hyper
+/// held each such stream, its task and the rest of its answer for good.
+#[tokio::test]
+async fn an_http2_client_that_makes_no_room_for_its_answer_is_reset() {
+    let upstream = upstream().await;
+    let proxy = proxy_with(&upstream, |config| {
+        config.header_timeout = Duration::from_millis(500);
+    })
+    .await;
+    let stream = tokio::net::TcpStream::connect(proxy.address).await.unwrap();
+    let (mut client, connection) = h2::client::Builder::new()
+        .initial_window_size(0)
+        .handshake::<_, Bytes>(stream)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    for key in [Some("zero-window"), None] {
+        let mut request = Request::post(format!("http://{}/big?mib=1", proxy.address))
+            .header("authorization", "Bearer zero-window");
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        let (response, mut body) = client
+            .send_request(request.body(()).unwrap(), false)
+            .unwrap();
+        body.send_data(Bytes::from_static(b"{}"), true).unwrap();
+        let response = tokio::time::timeout(Duration::from_secs(5), response)
+            .await
+            .expect("an answer head within 5 s")
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK, "{key:?}");
+        let started = Instant::now();
+        let next = tokio::time::timeout(Duration::from_secs(10), response.into_body().data())
+            .await
+            .unwrap_or_else(|_| panic!("{key:?}: the stream was still open after 10 s"));
+        let error = next
+            .expect("the stream ended")
+            .expect_err("data came through a zero window");
+        assert_eq!(error.reason(), Some(h2::Reason::CANCEL), "{key:?}: {error}");
+        assert!(started.elapsed() >= Duration::from_millis(400), "{key:?}");
+    }
+    assert_eq!(upstream.calls.get("/big"), 2);
+}
+
+/// The HTTP/2 deadline counts from the last progress, not from the start:
+/// a client reading a 1 MiB answer a frame at a time, slowly but steadily
+/// (longer in all than the deadline), gets all of it.
+#[tokio::test]
+async fn a_slow_but_steady_http2_reader_gets_its_whole_answer() {
+    let upstream = upstream().await;
+    let proxy = proxy_with(&upstream, |config| {
+        config.header_timeout = Duration::from_millis(500);
+    })
+    .await;
+    let stream = tokio::net::TcpStream::connect(proxy.address).await.unwrap();
+    let (mut client, connection) = h2::client::handshake(stream).await.unwrap();
+    tokio::spawn(connection);
+    let request = Request::post(format!("http://{}/big?mib=1", proxy.address))
+        .header("authorization", "Bearer steady")
+        .header("idempotency-key", "steady")
+        .body(())
+        .unwrap();
+    let (response, mut body) = client.send_request(request, false).unwrap();
+    body.send_data(Bytes::from_static(b"{}"), true).unwrap();
+    let mut body = response.await.unwrap().into_body();
+    let (started, mut received) = (Instant::now(), 0);
+    while let Some(data) = body.data().await {
+        let data = data.expect("the answer was cut off");
+        received += data.len();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        body.flow_control().release_capacity(data.len()).unwrap();
+    }
+    assert_eq!(received, 1 << 20);
+    assert!(started.elapsed() > Duration::from_millis(500));
+}
+
+/// Issue 40 item 7: an unkeyed body that trickles — pauses shorter than
+/// the header timeout, a few bytes each — is cut off once it falls below
+/// the least pace after the body timeout (502); it held its connection and
+/// the upstream's request open for as long as it liked.
+#[tokio::test]
+async fn an_unkeyed_body_that_trickles_is_cut_off() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let upstream = upstream().await;
+    let proxy = proxy_with(&upstream, |config| {
+        config.header_timeout = Duration::from_millis(500);
+        config.body_timeout = Duration::from_secs(1);
+    })
+    .await;
+    let socket = tokio::net::TcpStream::connect(proxy.address).await.unwrap();
+    let (mut reader, mut writer) = socket.into_split();
+    let started = Instant::now();
+    writer
+        .write_all(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")
+        .await
+        .unwrap();
+    let trickle = tokio::spawn(async move {
+        for _ in 0..100 {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            if writer.write_all(&[b' '; 20]).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut answer = vec![0u8; 4096];
+    let read = tokio::time::timeout(Duration::from_secs(10), reader.read(&mut answer))
+        .await
+        .expect("an answer within 10 s: the trickle was not cut off")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer[..read]);
+    assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+    assert!(started.elapsed() >= Duration::from_secs(1), "{answer}");
+    trickle.abort();
+}
+
+/// Issue 40, items 1–4, 7 and 8 as the payments team tried them: against
+/// the real binary, one scenario after another on one sidecar, then its
+/// shutdown and a restart on the same data.
+#[tokio::test]
+async fn the_issues_scenarios_through_the_binary() {
+    use tokio::io::AsyncWriteExt;
+    let upstream = upstream().await;
+    let data = tempfile::tempdir().unwrap();
+    let upstream_url = format!("http://{}", upstream.address);
+    let flags = [
+        "--http-proxy-listen",
+        "127.0.0.1:0",
+        "--http-proxy-upstream",
+        &upstream_url,
+        "--http-proxy-header-timeout",
+        "1s",
+        "--max-connection-age",
+        "2s",
+        "--shutdown-grace",
+        "8s",
+    ];
+    let mut sidecar = common::sidecar::Sidecar::start_with(data.path(), &flags);
+    let address = proxy_address(&sidecar);
+
+    // 1. A 500 after the work is the outcome: retries are replays.
+    assert_eq!(
+        post(address, "/flaky", "charge-1", "{}").await.status,
+        StatusCode::INTERNAL_SERVER_ERROR
+    );
+    for _ in 0..2 {
+        let retry = post(address, "/flaky", "charge-1", "{}").await;
+        assert_eq!(retry.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(replayed(&retry), "{:?}", retry.headers);
+    }
+    assert_eq!(upstream.calls.get("/flaky"), 1, "the work ran once");
+
+    // 2. Tenants told apart by X-API-Key alone; no identity at all is 400.
+    let tenant = |api_key: &'static str| {
+        Request::post("/")
+            .header("x-api-key", api_key)
+            .header("idempotency-key", "same-key")
+    };
+    let a = exchange_at(address, "/orders", tenant("tenant-a"), "{}").await;
+    let b = exchange_at(address, "/orders", tenant("tenant-b"), "{}").await;
+    assert_eq!(
+        (a.status, b.status),
+        (StatusCode::CREATED, StatusCode::CREATED)
+    );
+    assert!(
+        !replayed(&b),
+        "tenant B was given tenant A's answer: {}",
+        b.body
+    );
+    assert_ne!(a.body, b.body);
+    let a_again = exchange_at(address, "/orders", tenant("tenant-a"), "{}").await;
+    assert!(replayed(&a_again));
+    assert_eq!(a_again.body, a.body);
+    let anonymous = exchange_at(
+        address,
+        "/orders",
+        Request::post("/").header("idempotency-key", "same-key"),
+        "{}",
+    )
+    .await;
+    assert_eq!(anonymous.status, StatusCode::BAD_REQUEST);
+    assert_eq!(problem_type(&anonymous), "caller-unidentified");
+    assert_eq!(upstream.calls.get("/orders"), 2);
+
+    // 3. Eight slow 8 MiB bodies from one caller: another's payment goes
+    // through.
+    let mut held = Vec::new();
+    for attacker in 0..8 {
+        let mut socket = tokio::net::TcpStream::connect(address).await.unwrap();
+        let head = format!(
+            "POST /echo HTTP/1.1\r\nHost: x\r\nIdempotency-Key: slow-{attacker}\r\n\
+             Authorization: Bearer mallory\r\nContent-Length: {}\r\n\r\n",
+            8 << 20
+        );
+        socket.write_all(head.as_bytes()).await.unwrap();
+        let body = vec![b' '; (8 << 20) - 1];
+        let _ = tokio::time::timeout(Duration::from_secs(5), socket.write_all(&body)).await;
+        held.push(socket);
+    }
+    let payment = send(
+        address,
+        Method::POST,
+        "/echo",
+        Some("payment-1"),
+        Some("Bearer alice"),
+        "{\"amount\":10}",
+    )
+    .await;
+    assert_eq!(payment.status, StatusCode::OK, "{}", payment.body);
+    drop(held);
+
+    // 4. Two key lines: 400, never forwarded.
+    let twice = exchange_at(
+        address,
+        "/orders",
+        Request::post("/")
+            .header("authorization", CALLER)
+            .header("idempotency-key", "k1")
+            .header("idempotency-key", "k2"),
+        "{}",
+    )
+    .await;
+    assert_eq!(twice.status, StatusCode::BAD_REQUEST);
+    assert_eq!(upstream.calls.get("/orders"), 2);
+
+    // 7. An HTTP/2 client that makes no room for its answer has its stream
+    // reset; one that only answers PINGs is closed at its age.
+    let stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    let (mut client, connection) = h2::client::Builder::new()
+        .initial_window_size(0)
+        .handshake::<_, Bytes>(stream)
+        .await
+        .unwrap();
+    let connection = tokio::spawn(connection);
+    let request = Request::get(format!("http://{address}/big?mib=1"))
+        .body(())
+        .unwrap();
+    let (response, _) = client.send_request(request, true).unwrap();
+    let response = response.await.unwrap();
+    let next = tokio::time::timeout(Duration::from_secs(10), response.into_body().data())
+        .await
+        .expect("the zero-window stream was still open after 10 s");
+    assert!(matches!(next, Some(Err(_))), "{next:?}");
+    drop(client);
+    tokio::time::timeout(Duration::from_secs(10), connection)
+        .await
+        .expect("the HTTP/2 connection was still open past its age")
+        .unwrap()
+        .ok();
+
+    // 8. SIGTERM while a keyed request is with the service (2.5 s): it is
+    // answered and committed within the grace; after a restart, replayed.
+    let calls_before = upstream.calls.get("/slow");
+    let in_flight = tokio::spawn(async move { post(address, "/slow", "at-shutdown", "{}").await });
+    while upstream.calls.get("/slow") == calls_before {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Off the runtime: the upstream answers from this test's runtime.
+    let (code, log) = tokio::task::spawn_blocking(move || {
+        common::sidecar::terminate(&mut sidecar, Duration::from_secs(15))
+    })
+    .await
+    .unwrap();
+    assert_eq!(code, Some(0), "{log}");
+    let answered = in_flight.await.unwrap();
+    assert_eq!(answered.status, StatusCode::CREATED, "{}", answered.body);
+    let sidecar = common::sidecar::Sidecar::start_with(data.path(), &flags);
+    let retry = post(proxy_address(&sidecar), "/slow", "at-shutdown", "{}").await;
+    assert!(replayed(&retry), "{} {}", retry.status, retry.body);
+    assert_eq!(retry.body, answered.body);
+    assert_eq!(upstream.calls.get("/slow"), calls_before + 1);
 }

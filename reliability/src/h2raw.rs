@@ -120,6 +120,84 @@ pub fn rst_stream(stream: u32, code: u32) -> Vec<u8> {
     frame(RST_STREAM, 0, stream, &code.to_be_bytes())
 }
 
+const PING: u8 = 0x6;
+const ACK: u8 = 0x1;
+/// SETTINGS_INITIAL_WINDOW_SIZE (RFC 9113 §6.5.2).
+const INITIAL_WINDOW_SIZE: u16 = 0x4;
+
+/// The preface and a SETTINGS frame granting no stream window: the
+/// server may send no answer's body until a WINDOW_UPDATE that never comes.
+pub fn open_with_zero_window() -> Vec<u8> {
+    let mut setting = INITIAL_WINDOW_SIZE.to_be_bytes().to_vec();
+    setting.extend_from_slice(&0u32.to_be_bytes());
+    [PREFACE, &frame(SETTINGS, 0, 0, &setting)].concat()
+}
+
+/// A DATA frame carrying `payload`, ending the stream.
+pub fn data(stream: u32, payload: &[u8]) -> Vec<u8> {
+    frame(DATA, END_STREAM, stream, payload)
+}
+
+/// What [`converse`] saw of the server.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Heard {
+    /// RST_STREAM frames.
+    pub resets: u64,
+    /// Whether it closed the connection.
+    pub closed: bool,
+}
+
+/// Reads the server's frames, acknowledging its SETTINGS and answering its
+/// PINGs as a live client does (and nothing else), until `done` says
+/// enough of what was heard, `stop` is set, or the connection ends.
+pub async fn converse(
+    socket: &mut tokio::net::TcpStream,
+    stop: &std::sync::atomic::AtomicBool,
+    done: impl Fn(&Heard) -> bool,
+) -> Heard {
+    use std::sync::atomic::Ordering::Relaxed;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut heard = Heard::default();
+    let mut buffer = Vec::with_capacity(64 << 10);
+    let mut chunk = vec![0u8; 64 << 10];
+    while !stop.load(Relaxed) && !done(&heard) {
+        let read = tokio::time::timeout(
+            std::time::Duration::from_millis(200),
+            socket.read(&mut chunk),
+        )
+        .await;
+        match read {
+            Err(_) => continue,
+            Ok(Ok(0) | Err(_)) => {
+                heard.closed = true;
+                return heard;
+            }
+            Ok(Ok(n)) => buffer.extend_from_slice(&chunk[..n]),
+        }
+        let mut replies = Vec::new();
+        while buffer.len() >= 9 {
+            let length = u32::from_be_bytes([0, buffer[0], buffer[1], buffer[2]]) as usize;
+            if buffer.len() < 9 + length {
+                break;
+            }
+            let (kind, flags) = (buffer[3], buffer[4]);
+            let payload = &buffer[9..9 + length];
+            match kind {
+                SETTINGS if flags & ACK == 0 => replies.extend(frame(SETTINGS, ACK, 0, &[])),
+                PING if flags & ACK == 0 => replies.extend(frame(PING, ACK, 0, payload)),
+                RST_STREAM => heard.resets += 1,
+                _ => {}
+            }
+            buffer.drain(..9 + length);
+        }
+        if !replies.is_empty() && socket.write_all(&replies).await.is_err() {
+            heard.closed = true;
+            return heard;
+        }
+    }
+    heard
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

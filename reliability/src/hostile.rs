@@ -514,7 +514,9 @@ async fn attack_phase(
 /// header timeout): as many as the sidecar holds at once, the lesser of
 /// the idle connections and its `--max-connections` (less the well-behaved
 /// client's). At the proxy, so are those that never end their head or body
-/// (each attacker's), or send one too large (at once).
+/// or trickle an unkeyed one (each attacker's), that send one too large (at
+/// once), that make no room for their HTTP/2 answers (their streams reset:
+/// each attacker's), and idle HTTP/2 ones at their maximum age.
 fn must_close(config: &HostileConfig, attack: &str) -> Option<(Duration, u64)> {
     let share = |connections: usize| (connections as f64 * CLOSED_SHARE).floor().max(1.0) as u64;
     match (config.target, attack) {
@@ -526,7 +528,15 @@ fn must_close(config: &HostileConfig, attack: &str) -> Option<(Duration, u64)> {
                     .min(config.max_connections.saturating_sub(1)),
             ),
         )),
-        (Target::Proxy, "slowloris" | "slow-body") => {
+        (Target::Proxy, "idle-h2") => Some((
+            proxy::MAX_AGE.mul_f64(1.1),
+            share(
+                config
+                    .idle_connections
+                    .min(config.max_connections.saturating_sub(1)),
+            ),
+        )),
+        (Target::Proxy, "slowloris" | "slow-body" | "slow-unkeyed-body" | "zero-window-h2") => {
             Some((proxy::DEADLINE, share(config.attack_connections)))
         }
         (Target::Proxy, "big-headers") => Some((Duration::ZERO, share(config.attack_connections))),
@@ -591,6 +601,11 @@ fn rss_bound_kib(phase: &str, config: &HostileConfig) -> u64 {
         (Target::Proxy, "non-reading") => {
             config.attack_connections as u64 * proxy::UNREAD_CONNECTION_KIB
         }
+        (Target::Proxy, "zero-window-h2") => {
+            config.attack_connections as u64
+                * u64::from(proxy::ZERO_WINDOW_STREAMS)
+                * UNREAD_ANSWER_KIB
+        }
         _ => 0,
     };
     config.max_rss_kib + pinned
@@ -606,11 +621,13 @@ fn start_attack(
 ) -> Result<(), String> {
     let target = config.target;
     let connections = match (target, attack) {
-        (_, "idle-tcp") | (Target::Grpc, "idle-h2") => config.idle_connections,
+        (_, "idle-tcp" | "idle-h2") => config.idle_connections,
         (Target::Grpc, "slowloris" | "rst-flood" | "big-metadata" | "non-reading")
-        | (Target::Proxy, "slowloris" | "slow-body" | "big-headers" | "non-reading") => {
-            config.attack_connections
-        }
+        | (
+            Target::Proxy,
+            "slowloris" | "slow-body" | "slow-unkeyed-body" | "big-headers" | "non-reading"
+            | "zero-window-h2",
+        ) => config.attack_connections,
         (target, other) => {
             return Err(format!(
                 "no attack named {other:?} for --target {} (known: {:?})",
@@ -646,6 +663,13 @@ fn start_attack(
                     }
                     (Target::Proxy, "slow-body") => {
                         proxy::slow_body(socket, &counters, &stop).await
+                    }
+                    (Target::Proxy, "slow-unkeyed-body") => {
+                        proxy::slow_unkeyed_body(socket, &counters, &stop).await
+                    }
+                    (Target::Proxy, "idle-h2") => proxy::idle_h2(&mut socket, &stop).await,
+                    (Target::Proxy, "zero-window-h2") => {
+                        proxy::zero_window_h2(&mut socket, &counters, &stop).await
                     }
                     (Target::Proxy, "big-headers") => {
                         proxy::big_headers(&mut socket, &counters).await

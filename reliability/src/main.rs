@@ -130,12 +130,13 @@ struct HostileArgs {
     max_rss_mib: u64,
     /// What is attacked: the gRPC listener, or the HTTP idempotency proxy
     /// (started in front of an upstream the runner serves, with 3 s head and
-    /// body deadlines).
+    /// body deadlines and a 4 s maximum connection age).
     #[arg(long, value_enum, default_value_t = hostile::Target::Grpc)]
     target: hostile::Target,
     /// Run only these attacks (default: all of the target's; grpc: idle-tcp,
     /// idle-h2, slowloris, rst-flood, big-metadata, non-reading; proxy:
-    /// idle-tcp, slowloris, slow-body, big-headers, non-reading).
+    /// idle-tcp, idle-h2, slowloris, slow-body, slow-unkeyed-body,
+    /// big-headers, non-reading, zero-window-h2).
     #[arg(long = "attack", value_parser = clap::builder::PossibleValuesParser::new(hostile::all_attacks()))]
     attacks: Vec<String>,
     /// CI's bounded run: 6 s phases (past the sidecar's 5 s deadline for a

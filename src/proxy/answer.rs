@@ -26,6 +26,8 @@ pub(super) enum BodyError {
     Paused,
     #[error("the client paused its request body longer than the header timeout")]
     ClientPaused,
+    #[error("the client sent its request body slower than {0} bytes a second")]
+    ClientTooSlow(u64),
 }
 
 pub(super) type ProxyBody = BoxBody<Bytes, BodyError>;

@@ -69,16 +69,98 @@ pub(super) fn read_then_rest(read: Bytes, rest: Incoming, idle: Duration) -> Pro
     PausesBounded::new(Some(read), rest, idle, || BodyError::Paused).boxed()
 }
 
+/// The least pace an unkeyed request body must keep once its first
+/// `--http-proxy-body-timeout` has passed: each KiB received buys another
+/// second (Apache's `mod_reqtimeout` MinRate, 500 B/s by default).
+pub(super) const MIN_BODY_RATE: u64 = 1 << 10;
+
 /// A request body streamed through (no key): a client that pauses longer
-/// than `idle` between frames is cut off, as a keyed body past its deadline
-/// is — it held a connection and an upstream request open for as long as
-/// it liked. Its end and size still show (a request without a body must
-/// not go upstream chunked). Not for gRPC calls: a streaming call may be
-/// idle by design.
-pub(super) fn streamed_request(body: Incoming, idle: Duration, protocol: Protocol) -> ProxyBody {
+/// than `idle` between frames, or whose body falls below [`MIN_BODY_RATE`]
+/// once `grace` has passed, is cut off, as a keyed body past its deadline
+/// is — a pause of a second now and then held its connection and the
+/// upstream's request open for as long as it liked. An upload at any
+/// reasonable pace, however large, goes through. Its end and size still
+/// show (a request without a body must not go upstream chunked). Not for
+/// gRPC calls: a streaming call may be idle by design.
+pub(super) fn streamed_request(
+    body: Incoming,
+    idle: Duration,
+    grace: Duration,
+    protocol: Protocol,
+) -> ProxyBody {
     match protocol {
         Protocol::Grpc => body.map_err(BodyError::from).boxed(),
-        Protocol::Http => PausesBounded::new(None, body, idle, || BodyError::ClientPaused).boxed(),
+        Protocol::Http => PausesBounded::new(
+            None,
+            PaceBounded::new(body, grace, MIN_BODY_RATE),
+            idle,
+            || BodyError::ClientPaused,
+        )
+        .boxed(),
+    }
+}
+
+/// A body that must have arrived by `grace` after it began, plus a second
+/// for every `rate` bytes received.
+struct PaceBounded<B> {
+    body: B,
+    began: tokio::time::Instant,
+    grace: Duration,
+    rate: u64,
+    received: u64,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl<B> PaceBounded<B> {
+    fn new(body: B, grace: Duration, rate: u64) -> Self {
+        let began = tokio::time::Instant::now();
+        PaceBounded {
+            body,
+            began,
+            grace,
+            rate,
+            received: 0,
+            deadline: Box::pin(tokio::time::sleep_until(began + grace)),
+        }
+    }
+}
+
+impl<B> hyper::body::Body for PaceBounded<B>
+where
+    B: hyper::body::Body<Data = Bytes> + Unpin,
+    B::Error: Into<BodyError>,
+{
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        match Pin::new(&mut self.body).poll_frame(context) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    self.received = self.received.saturating_add(data.len() as u64);
+                    let earned = Duration::from_secs_f64(self.received as f64 / self.rate as f64);
+                    let until = self.began + self.grace + earned;
+                    self.deadline.as_mut().reset(until);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(other) => Poll::Ready(other.map(|frame| frame.map_err(Into::into))),
+            Poll::Pending => match self.deadline.as_mut().poll(context) {
+                Poll::Ready(()) => Poll::Ready(Some(Err(BodyError::ClientTooSlow(self.rate)))),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
     }
 }
 
@@ -332,5 +414,52 @@ mod tests {
         assert!(matches!(body.frame().await, Some(Err(BodyError::Paused))));
         assert_eq!(asked.elapsed(), idle);
         drop(send);
+    }
+
+    /// A body that trickles (pauses shorter than any idle bound) is cut off
+    /// once it falls below the pace after the grace; one at a steady 20 KiB/s
+    /// goes on however long it takes.
+    #[tokio::test(start_paused = true)]
+    async fn a_trickling_body_is_cut_off_and_a_steady_one_is_not() {
+        async fn run(chunk: usize, for_how_long: Duration) -> (Option<BodyError>, Duration) {
+            let (send, receive) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BodyError>>(1);
+            tokio::spawn(async move {
+                let started = tokio::time::Instant::now();
+                while started.elapsed() < for_how_long {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    if send
+                        .send(Ok(Frame::data(Bytes::from(vec![b'x'; chunk]))))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+            let source = http_body_util::StreamBody::new(
+                tokio_stream::wrappers::ReceiverStream::new(receive),
+            );
+            let mut body = PaceBounded::new(source, Duration::from_secs(2), MIN_BODY_RATE);
+            let started = tokio::time::Instant::now();
+            while let Some(frame) = body.frame().await {
+                if let Err(error) = frame {
+                    return (Some(error), started.elapsed());
+                }
+            }
+            (None, started.elapsed())
+        }
+        // 200 B/s: 2 s, then what 400-odd bytes bought.
+        let (error, at) = run(100, Duration::from_secs(60)).await;
+        assert!(
+            matches!(error, Some(BodyError::ClientTooSlow(_))),
+            "{error:?}"
+        );
+        assert!(
+            at > Duration::from_secs(2) && at < Duration::from_secs(3),
+            "{at:?}"
+        );
+        let (error, at) = run(10 << 10, Duration::from_secs(30)).await;
+        assert!(error.is_none(), "{error:?}");
+        assert!(at >= Duration::from_secs(30));
     }
 }

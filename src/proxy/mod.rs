@@ -11,7 +11,8 @@
 //!   once, in total and per caller.
 //! - `keyed`: a keyed request's life (claim, the one forward, settling);
 //!   `forward`: the upstream call and the answer's body; `answer`: what the
-//!   client is answered.
+//!   client is answered; `send_deadline`: HTTP/2 answers under the
+//!   deadline HTTP/1's get from the socket.
 //! - [`server`]: the HTTP/1.1 + HTTP/2 server that forwards a keyed request
 //!   at most once, commits, releases, replays and streams, behind the same
 //!   connection defences as the gRPC listener.
@@ -21,4 +22,5 @@ pub mod budget;
 mod forward;
 pub mod idempotency;
 mod keyed;
+mod send_deadline;
 pub mod server;

@@ -48,6 +48,7 @@ use super::{
     budget::Budgets,
     forward::streamed_request,
     idempotency::{CallerScope, IdempotencyKey, KeySyntax, ReleaseOn, RoutePattern},
+    send_deadline::{watched, StreamExecutor},
 };
 use crate::{
     engine::Engine,
@@ -256,8 +257,12 @@ pub async fn serve<S: Store>(
                     let proxy = Arc::clone(&proxy);
                     async move { Ok::<_, Infallible>(proxy.handle(request).await) }
                 });
-                let mut builder =
-                    hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                // HTTP/2 streams run on an executor that resets one whose
+                // client makes no room for its answer within the header
+                // timeout (HTTP/1's socket write deadline, below).
+                let mut builder = hyper_util::server::conn::auto::Builder::new(StreamExecutor {
+                    stall: header_timeout,
+                });
                 // hyper's head deadline needs a timer to be active at all.
                 builder
                     .http1()
@@ -316,7 +321,7 @@ impl<S: Store> Proxy<S> {
                 metrics.proxy_added(started.elapsed().saturating_sub(answer.upstream));
             }
             telemetry::record_proxy_answer(answer.response.status(), answer.result);
-            answer.response
+            answer.response.map(watched)
         }
         .instrument(span)
         .await
@@ -372,10 +377,10 @@ impl<S: Store> Proxy<S> {
                 Answer::rejected(Rejection::InvalidKey(problem.to_string()), protocol)
             }
             None => {
-                let idle = self.config.header_timeout;
+                let (idle, grace) = (self.config.header_timeout, self.config.body_timeout);
                 Answer::new(
                     self.pass_through(
-                        request.map(|body| streamed_request(body, idle, protocol)),
+                        request.map(|body| streamed_request(body, idle, grace, protocol)),
                         protocol,
                     )
                     .await,

@@ -11,7 +11,15 @@
 //! - `slow-body`: a keyed request whose 1 MB body comes 10 bytes a second;
 //! - `big-headers`: a request head carrying a 1 MiB header value;
 //! - `non-reading`: keyed `POST /big` requests (a 60 KiB answer each),
-//!   pipelined 32 a write, and not one byte of the answers read.
+//!   pipelined 32 a write, and not one byte of the answers read;
+//! - `slow-unkeyed-body`: a request without a key, streamed through, whose
+//!   1 MB body comes 10 bytes a second;
+//!
+//! and HTTP/2 by hand ([`crate::h2raw`]):
+//! - `idle-h2`: connections that send the preface and SETTINGS, then only
+//!   answer PINGs (closed at the maximum connection age, [`MAX_AGE`]);
+//! - `zero-window-h2`: connections granting no stream window that open 32
+//!   keyed `POST /big` streams and never make room for an answer.
 
 use std::{
     convert::Infallible,
@@ -40,21 +48,32 @@ use tokio::{
 };
 
 use super::{AttackCounters, HostileConfig, Latencies, PhaseReport, WellBehaved};
-use crate::sidecar::Sidecar;
+use crate::{h2raw, sidecar::Sidecar};
 
 /// The attacks on the proxy, in the order they run.
-pub const PROXY_ATTACKS: [&str; 5] = [
+pub const PROXY_ATTACKS: [&str; 8] = [
     "idle-tcp",
+    "idle-h2",
     "slowloris",
     "slow-body",
+    "slow-unkeyed-body",
     "big-headers",
     "non-reading",
+    "zero-window-h2",
 ];
 
 /// The proxy's head and body deadlines in this run
 /// (`--http-proxy-header-timeout`, `--http-proxy-body-timeout`); the head
 /// deadline is also its deadline for a connection's first bytes.
 pub const DEADLINE: Duration = Duration::from_secs(3);
+
+/// The sidecar's `--max-connection-age` in this run: an HTTP/2 connection
+/// is closed within a tenth more (HTTP/1 ones are exempt, so the
+/// well-behaved client's stays).
+pub const MAX_AGE: Duration = Duration::from_secs(4);
+
+/// The streams each `zero-window-h2` connection opens.
+pub const ZERO_WINDOW_STREAMS: u32 = 32;
 
 /// What one connection that never reads may pin in the proxy, KiB, over
 /// the configured memory bound: the answer hyper is stuck writing (60 KiB,
@@ -114,6 +133,8 @@ impl Upstream {
     pub fn sidecar_flags(&self) -> Vec<String> {
         let deadline = humantime::format_duration(DEADLINE).to_string();
         vec![
+            "--max-connection-age".into(),
+            humantime::format_duration(MAX_AGE).to_string(),
             "--http-proxy-listen".into(),
             "127.0.0.1:0".into(),
             "--http-proxy-upstream".into(),
@@ -295,6 +316,73 @@ pub(super) async fn slow_body(
         rand::random::<u64>()
     );
     trickle(socket, counters, stop, head.as_bytes(), b"0123456789", 10).await
+}
+
+/// A request without a key announcing a 1 MB body, which comes 10 bytes a
+/// second: streamed through, it is cut off once it falls below the proxy's
+/// least pace after the body deadline.
+pub(super) async fn slow_unkeyed_body(
+    socket: TcpStream,
+    counters: &AttackCounters,
+    stop: &AtomicBool,
+) -> Result<(), ()> {
+    let head = "POST /orders HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n";
+    trickle(socket, counters, stop, head.as_bytes(), b"0123456789", 10).await
+}
+
+/// An HTTP/2 connection that sends the preface and SETTINGS, then only
+/// acknowledges the proxy's SETTINGS and answers its PINGs; `Err` when the
+/// proxy closed it.
+pub(super) async fn idle_h2(socket: &mut TcpStream, stop: &AtomicBool) -> Result<(), ()> {
+    socket.write_all(&h2raw::open()).await.map_err(drop)?;
+    let heard = h2raw::converse(socket, stop, |_| false).await;
+    if heard.closed {
+        Err(())
+    } else {
+        Ok(())
+    }
+}
+
+/// An HTTP/2 connection granting no stream window that opens
+/// [`ZERO_WINDOW_STREAMS`] keyed `POST /big` streams (one key per
+/// connection: the first is forwarded, the rest replayed) and never makes
+/// room for their answers; `Err` once the proxy reset every one of them or
+/// closed the connection.
+pub(super) async fn zero_window_h2(
+    socket: &mut TcpStream,
+    counters: &AttackCounters,
+    stop: &AtomicBool,
+) -> Result<(), ()> {
+    static CONNECTIONS: AtomicU64 = AtomicU64::new(0);
+    let key = format!("zero-window-{}", CONNECTIONS.fetch_add(1, Relaxed));
+    let block = h2raw::header_block(&[
+        (":method", b"POST"),
+        (":scheme", b"http"),
+        (":path", b"/big"),
+        (":authority", b"x"),
+        ("idempotency-key", key.as_bytes()),
+        ("authorization", b"Bearer attacker"),
+        ("content-type", b"application/json"),
+    ]);
+    let mut opening = h2raw::open_with_zero_window();
+    for stream in (1..).step_by(2).take(ZERO_WINDOW_STREAMS as usize) {
+        opening.extend(h2raw::headers(stream, &block, false));
+        opening.extend(h2raw::data(stream, b"{}"));
+    }
+    socket.write_all(&opening).await.map_err(drop)?;
+    counters
+        .streams
+        .fetch_add(u64::from(ZERO_WINDOW_STREAMS), Relaxed);
+    counters.bytes.fetch_add(opening.len() as u64, Relaxed);
+    let heard = h2raw::converse(socket, stop, |heard| {
+        heard.resets >= u64::from(ZERO_WINDOW_STREAMS)
+    })
+    .await;
+    if heard.closed || heard.resets >= u64::from(ZERO_WINDOW_STREAMS) {
+        Err(())
+    } else {
+        Ok(())
+    }
 }
 
 /// A request whose head carries a 1 MiB header value, written 64 KiB at a
