@@ -3,7 +3,11 @@
 # direct vs through `dedupd http-proxy`, in one run, on this machine.
 #
 #   benches/proxy.sh [--duration 10s] [--connections 64] [--repeats 3]
-#                    [--upstream-work 0us] [--out FILE]
+#                    [--upstream-work 0us] [--out FILE] [--dedupd BIN]
+#
+# --dedupd runs another build of the proxy (say, the last release's, copied
+# aside) against the same upstream: run the script once per build,
+# alternating, to compare them in one sitting.
 #
 # Starts `dedupd-bench http-upstream` (one tokio worker; each request costs
 # it --upstream-work of CPU on top of HTTP) and `dedupd http-proxy` in front
@@ -25,7 +29,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-duration=10s connections=64 repeats=3 work=0us out=""
+duration=10s connections=64 repeats=3 work=0us out="" dedupd=target/release/dedupd
 while [ $# -gt 0 ]; do
   case "$1" in
     --duration) duration=$2; shift 2 ;;
@@ -33,6 +37,7 @@ while [ $# -gt 0 ]; do
     --repeats) repeats=$2; shift 2 ;;
     --upstream-work) work=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
+    --dedupd) dedupd=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 64 ;;
   esac
 done
@@ -54,7 +59,7 @@ target/release/dedupd-bench http-upstream --listen 127.0.0.1:$upstream_port --wo
 upstream_pid=$!
 start_proxy() { # port sync [name]
   local name=${3:-$2}
-  target/release/dedupd http-proxy --listen 127.0.0.1:$1 --upstream http://127.0.0.1:$upstream_port \
+  "$dedupd" http-proxy --listen 127.0.0.1:$1 --upstream http://127.0.0.1:$upstream_port \
     --data-dir "$tmp/data-$name" --sync "$2" --metrics-listen off --worker-threads 1 --log warn \
     --ready-file "$tmp/ready-$name.json" 2>"$tmp/proxy-$name.log" & pids+=($!)
   for _ in $(seq 1 200); do [ -f "$tmp/ready-$name.json" ] && return 0; sleep 0.05; done

@@ -100,28 +100,39 @@ pub(super) fn streamed_request(
     }
 }
 
-/// A body that must have arrived by `grace` after it began, plus a second
-/// for every `rate` bytes received.
+/// A body whose source may take `grace`, plus a second for every `rate`
+/// bytes it gave, counting only the time it was asked for a frame it had
+/// not given yet: a reader that is itself slow (an upstream reading an
+/// upload at its own pace) does not count against the client.
 struct PaceBounded<B> {
     body: B,
-    began: tokio::time::Instant,
     grace: Duration,
     rate: u64,
     received: u64,
+    /// The time spent waiting for the source so far.
+    waited: Duration,
+    /// When the frame being waited for was asked for.
+    asked_at: Option<tokio::time::Instant>,
     deadline: Pin<Box<tokio::time::Sleep>>,
 }
 
 impl<B> PaceBounded<B> {
     fn new(body: B, grace: Duration, rate: u64) -> Self {
-        let began = tokio::time::Instant::now();
         PaceBounded {
             body,
-            began,
             grace,
             rate,
             received: 0,
-            deadline: Box::pin(tokio::time::sleep_until(began + grace)),
+            waited: Duration::ZERO,
+            asked_at: None,
+            deadline: Box::pin(tokio::time::sleep(grace)),
         }
+    }
+
+    /// The waiting the source has left.
+    fn allowance(&self) -> Duration {
+        let earned = Duration::from_secs_f64(self.received as f64 / self.rate as f64);
+        (self.grace + earned).saturating_sub(self.waited)
     }
 }
 
@@ -137,17 +148,25 @@ where
         mut self: Pin<&mut Self>,
         context: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
-        match Pin::new(&mut self.body).poll_frame(context) {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    self.received = self.received.saturating_add(data.len() as u64);
-                    let earned = Duration::from_secs_f64(self.received as f64 / self.rate as f64);
-                    let until = self.began + self.grace + earned;
-                    self.deadline.as_mut().reset(until);
-                }
-                Poll::Ready(Some(Ok(frame)))
+        let asked_at = match self.asked_at {
+            Some(asked_at) => asked_at,
+            None => {
+                let now = tokio::time::Instant::now();
+                let until = now + self.allowance();
+                self.deadline.as_mut().reset(until);
+                self.asked_at = Some(now);
+                now
             }
-            Poll::Ready(other) => Poll::Ready(other.map(|frame| frame.map_err(Into::into))),
+        };
+        match Pin::new(&mut self.body).poll_frame(context) {
+            Poll::Ready(frame) => {
+                self.waited += asked_at.elapsed();
+                self.asked_at = None;
+                if let Some(data) = frame.as_ref().and_then(|f| f.as_ref().ok()?.data_ref()) {
+                    self.received = self.received.saturating_add(data.len() as u64);
+                }
+                Poll::Ready(frame.map(|frame| frame.map_err(Into::into)))
+            }
             Poll::Pending => match self.deadline.as_mut().poll(context) {
                 Poll::Ready(()) => Poll::Ready(Some(Err(BodyError::ClientTooSlow(self.rate)))),
                 Poll::Pending => Poll::Pending,
@@ -461,5 +480,15 @@ mod tests {
         let (error, at) = run(10 << 10, Duration::from_secs(30)).await;
         assert!(error.is_none(), "{error:?}");
         assert!(at >= Duration::from_secs(30));
+        // A source always ready, read by a slow reader (100 bytes every
+        // 5 s): the reader's time is not the client's.
+        let source = http_body_util::StreamBody::new(futures_util::stream::iter(
+            (0..10).map(|_| Ok::<_, BodyError>(Frame::data(Bytes::from(vec![b'x'; 100])))),
+        ));
+        let mut body = PaceBounded::new(source, Duration::from_secs(2), MIN_BODY_RATE);
+        while let Some(frame) = body.frame().await {
+            assert!(frame.is_ok(), "a slow reader was taken for a slow client");
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        }
     }
 }

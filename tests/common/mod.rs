@@ -9,6 +9,7 @@ pub mod forwarder;
 pub mod ops_http;
 pub mod otlp;
 pub mod postgres;
+pub mod proxy;
 pub mod redis;
 pub mod shared;
 pub mod sidecar;
