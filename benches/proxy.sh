@@ -27,6 +27,7 @@
 # Prints a table with the ratios issue 14 asks for and writes it to --out.
 # Needs wrk (apt-get install wrk).
 set -euo pipefail
+caller_dir=$PWD
 cd "$(dirname "$0")/.."
 
 duration=10s connections=64 repeats=3 work=0us out="" dedupd=target/release/dedupd
@@ -37,7 +38,7 @@ while [ $# -gt 0 ]; do
     --repeats) repeats=$2; shift 2 ;;
     --upstream-work) work=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
-    --dedupd) dedupd=$2; shift 2 ;;
+    --dedupd) case $2 in /*) dedupd=$2 ;; *) dedupd=$caller_dir/$2 ;; esac; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 64 ;;
   esac
 done
@@ -136,16 +137,16 @@ large_bytes=$(curl -s -X POST "http://127.0.0.1:$large_port/orders?bytes=$((96 <
 large_after=$(peak_kib $large_pid)
 
 python3 - "$results" "$duration" "$connections" "$repeats" "$(nproc)" "$work" \
-  "$large_before" "$large_after" "$large_bytes" <<'PY' | tee "${out:-/dev/null}"
+  "$large_before" "$large_after" "$large_bytes" "$dedupd" <<'PY' | tee "${out:-/dev/null}"
 import json, statistics, sys
-path, duration, connections, repeats, cpus, work, large_before, large_after, large_bytes = sys.argv[1:]
+path, duration, connections, repeats, cpus, work, large_before, large_after, large_bytes, dedupd = sys.argv[1:]
 rows = [json.loads(line) for line in open(path)]
 def median(name, conns, field):
     return statistics.median(r[field] for r in rows if r["name"] == name and r["connections"] == int(conns))
 def total(name, conns, field):
     return sum(r[field] for r in rows if r["name"] == name and r["connections"] == int(conns))
 names = ["direct", "pass-through", "keyed-first", "keyed-first-sync-none", "replay"]
-print(f"wrk -t1, {duration} per run, median of {repeats}; service work {work} per request; {cpus} CPUs shared by wrk, the service and the proxy")
+print(f"wrk -t1, {duration} per run, median of {repeats}; service work {work} per request; {cpus} CPUs shared by wrk, the service and the proxy; proxy binary {dedupd}")
 print()
 print(f"| scenario | req/s c={connections} | x direct | p50 c={connections} | p99 c={connections} | req/s c=1 | p50 c=1 | p99 c=1 | service calls / requests | proxy CPU µs/req | service CPU µs/req | non-2xx |")
 print("|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -566,11 +566,15 @@ async fn serve_until<C, F, Fut>(
 /// cancelled, or until `aged` resolves: then it finishes the requests in
 /// progress and closes (HTTP/2: a GOAWAY). The age bound is what makes a
 /// client that keeps one connection alive forever (answering PINGs)
-/// reconnect, as the gRPC listener's `--max-connection-age` does.
+/// reconnect, as the gRPC listener's `--max-connection-age` does; `drain`,
+/// if given, is how long an aged connection's requests may take to finish
+/// before it is closed regardless (gRPC's `MAX_CONNECTION_AGE_GRACE`). On
+/// `stopping`, the server's shutdown grace bounds it instead.
 pub async fn until_stopped<C>(
     connection: C,
     stopping: &tokio_util::sync::CancellationToken,
     aged: impl Future<Output = ()>,
+    drain: Option<Duration>,
 ) -> Result<(), C::Error>
 where
     C: hyper_util::server::graceful::GracefulConnection,
@@ -584,7 +588,19 @@ where
         }
         () = aged => {
             connection.as_mut().graceful_shutdown();
-            connection.await
+            let Some(drain) = drain else {
+                return connection.await;
+            };
+            match tokio::time::timeout(drain, connection).await {
+                Ok(ended) => ended,
+                Err(_) => {
+                    tracing::debug!(
+                        ?drain,
+                        "an aged connection's requests did not finish within the grace; closed"
+                    );
+                    Ok(())
+                }
+            }
         }
     }
 }

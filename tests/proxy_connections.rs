@@ -592,3 +592,85 @@ async fn an_unkeyed_body_that_trickles_is_cut_off() {
     assert!(started.elapsed() >= Duration::from_secs(1), "{answer}");
     trickle.abort();
 }
+
+/// An HTTP/2 client that opens its window by one byte is held to the same
+/// deadline: the last byte of an answer is handed on alone, so the stream
+/// is over only once the client made room for all of it. (Handed whole, a
+/// small answer went to h2 in one piece, the stream's task ended, and h2
+/// kept the answer and the stream for as long as the connection lived.)
+#[tokio::test]
+async fn an_http2_window_of_one_byte_does_not_hold_an_answer() {
+    let upstream = upstream().await;
+    let proxy = proxy_with(&upstream, |config| {
+        config.header_timeout = Duration::from_millis(500);
+    })
+    .await;
+    let stream = tokio::net::TcpStream::connect(proxy.address).await.unwrap();
+    let (mut client, connection) = h2::client::Builder::new()
+        .initial_window_size(1)
+        .handshake::<_, Bytes>(stream)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let request = Request::post(format!("http://{}/echo", proxy.address))
+        .body(())
+        .unwrap();
+    let (response, mut body) = client.send_request(request, false).unwrap();
+    body.send_data(Bytes::from(vec![b'a'; 100]), true).unwrap();
+    let mut body = response.await.unwrap().into_body();
+    let mut received = 0;
+    let ended = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match body.data().await {
+                // Room is never made for more: nothing released.
+                Some(Ok(data)) => received += data.len(),
+                Some(Err(error)) => return Some(error),
+                None => return None,
+            }
+        }
+    })
+    .await
+    .expect("the stream was still open after 10 s");
+    let error = ended.expect("the whole answer came through a one-byte window");
+    assert_eq!(error.reason(), Some(h2::Reason::CANCEL), "{error}");
+    assert!(received < 100, "{received}");
+}
+
+/// A connection past its maximum age gives its requests in flight the
+/// shutdown grace, then is closed: an answer that goes on longer (here a
+/// 64 MiB one read at 16 KiB a second, well above the pace) is cut there,
+/// rather than keeping the connection open for as long as it lasts.
+#[tokio::test]
+async fn an_aged_connection_is_closed_after_the_grace() {
+    let upstream = upstream().await;
+    let proxy = proxy_with(&upstream, |config| {
+        config.connections.max_connection_age = Duration::from_millis(500);
+        config.shutdown_grace = Duration::from_secs(1);
+    })
+    .await;
+    let stream = tokio::net::TcpStream::connect(proxy.address).await.unwrap();
+    let opened = Instant::now();
+    let (mut client, connection) = h2::client::handshake(stream).await.unwrap();
+    tokio::spawn(connection);
+    let request = Request::get(format!("http://{}/big?mib=64", proxy.address))
+        .body(())
+        .unwrap();
+    let (response, _) = client.send_request(request, true).unwrap();
+    let mut body = response.await.unwrap().into_body();
+    let cut = tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(data) = body.data().await {
+            let Ok(data) = data else {
+                eprintln!("CUT {:?} {data:?}", opened.elapsed());
+                return true;
+            };
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            body.flow_control().release_capacity(data.len()).unwrap();
+        }
+        false
+    })
+    .await
+    .expect("the answer still came after 10 s: the connection was not closed");
+    assert!(cut, "the whole 64 MiB came");
+    let took = opened.elapsed();
+    assert!(took >= Duration::from_millis(1400), "{took:?}");
+}

@@ -125,11 +125,12 @@ const ACK: u8 = 0x1;
 /// SETTINGS_INITIAL_WINDOW_SIZE (RFC 9113 §6.5.2).
 const INITIAL_WINDOW_SIZE: u16 = 0x4;
 
-/// The preface and a SETTINGS frame granting no stream window: the
-/// server may send no answer's body until a WINDOW_UPDATE that never comes.
-pub fn open_with_zero_window() -> Vec<u8> {
+/// The preface and a SETTINGS frame granting each stream `window` bytes:
+/// the server may send no more of an answer's body until a WINDOW_UPDATE
+/// that never comes.
+pub fn open_with_window(window: u32) -> Vec<u8> {
     let mut setting = INITIAL_WINDOW_SIZE.to_be_bytes().to_vec();
-    setting.extend_from_slice(&0u32.to_be_bytes());
+    setting.extend_from_slice(&window.to_be_bytes());
     [PREFACE, &frame(SETTINGS, 0, 0, &setting)].concat()
 }
 
@@ -139,25 +140,32 @@ pub fn data(stream: u32, payload: &[u8]) -> Vec<u8> {
 }
 
 /// What [`converse`] saw of the server.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Heard {
-    /// RST_STREAM frames.
-    pub resets: u64,
+    /// Streams reset with CANCEL at least the wait given after their
+    /// answer's HEADERS: the server gave up on an answer not taken.
+    pub cancelled: u64,
+    /// Other RST_STREAM frames (another reason, or too soon).
+    pub other_resets: u64,
     /// Whether it closed the connection.
     pub closed: bool,
 }
 
 /// Reads the server's frames, acknowledging its SETTINGS and answering its
-/// PINGs as a live client does (and nothing else), until `done` says
-/// enough of what was heard, `stop` is set, or the connection ends.
+/// PINGs as a live client does (and nothing else: no WINDOW_UPDATE), until
+/// `done` says enough of what was heard, `stop` is set, or the connection
+/// ends. A stream reset with CANCEL counts in [`Heard::cancelled`] only
+/// `min_wait` or more after its answer's HEADERS came.
 pub async fn converse(
     socket: &mut tokio::net::TcpStream,
     stop: &std::sync::atomic::AtomicBool,
+    min_wait: std::time::Duration,
     done: impl Fn(&Heard) -> bool,
 ) -> Heard {
-    use std::sync::atomic::Ordering::Relaxed;
+    use std::{collections::HashMap, sync::atomic::Ordering::Relaxed, time::Instant};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut heard = Heard::default();
+    let mut answered: HashMap<u32, Instant> = HashMap::new();
     let mut buffer = Vec::with_capacity(64 << 10);
     let mut chunk = vec![0u8; 64 << 10];
     while !stop.load(Relaxed) && !done(&heard) {
@@ -181,11 +189,24 @@ pub async fn converse(
                 break;
             }
             let (kind, flags) = (buffer[3], buffer[4]);
+            let stream =
+                u32::from_be_bytes([buffer[5], buffer[6], buffer[7], buffer[8]]) & 0x7fff_ffff;
             let payload = &buffer[9..9 + length];
             match kind {
                 SETTINGS if flags & ACK == 0 => replies.extend(frame(SETTINGS, ACK, 0, &[])),
                 PING if flags & ACK == 0 => replies.extend(frame(PING, ACK, 0, payload)),
-                RST_STREAM => heard.resets += 1,
+                HEADERS => {
+                    answered.entry(stream).or_insert_with(Instant::now);
+                }
+                RST_STREAM if length == 4 => {
+                    let code = u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]);
+                    let waited = answered.remove(&stream).map(|at| at.elapsed());
+                    if code == CANCEL && waited.is_some_and(|waited| waited >= min_wait) {
+                        heard.cancelled += 1;
+                    } else {
+                        heard.other_resets += 1;
+                    }
+                }
                 _ => {}
             }
             buffer.drain(..9 + length);

@@ -536,9 +536,10 @@ fn must_close(config: &HostileConfig, attack: &str) -> Option<(Duration, u64)> {
                     .min(config.max_connections.saturating_sub(1)),
             ),
         )),
-        (Target::Proxy, "slowloris" | "slow-body" | "slow-unkeyed-body" | "zero-window-h2") => {
-            Some((proxy::DEADLINE, share(config.attack_connections)))
-        }
+        (
+            Target::Proxy,
+            "slowloris" | "slow-body" | "slow-unkeyed-body" | "zero-window-h2" | "tiny-window-h2",
+        ) => Some((proxy::DEADLINE, share(config.attack_connections))),
         (Target::Proxy, "big-headers") => Some((Duration::ZERO, share(config.attack_connections))),
         _ => None,
     }
@@ -601,10 +602,11 @@ fn rss_bound_kib(phase: &str, config: &HostileConfig) -> u64 {
         (Target::Proxy, "non-reading") => {
             config.attack_connections as u64 * proxy::UNREAD_CONNECTION_KIB
         }
+        // Until the deadline resets them, each stream holds its answer
+        // (60 KiB) and a slice; what decides the phase is that they are
+        // reset (the closes), not this bound.
         (Target::Proxy, "zero-window-h2") => {
-            config.attack_connections as u64
-                * u64::from(proxy::ZERO_WINDOW_STREAMS)
-                * UNREAD_ANSWER_KIB
+            config.attack_connections as u64 * u64::from(proxy::WINDOW_STREAMS) * UNREAD_ANSWER_KIB
         }
         _ => 0,
     };
@@ -626,7 +628,7 @@ fn start_attack(
         | (
             Target::Proxy,
             "slowloris" | "slow-body" | "slow-unkeyed-body" | "big-headers" | "non-reading"
-            | "zero-window-h2",
+            | "zero-window-h2" | "tiny-window-h2",
         ) => config.attack_connections,
         (target, other) => {
             return Err(format!(
@@ -669,7 +671,10 @@ fn start_attack(
                     }
                     (Target::Proxy, "idle-h2") => proxy::idle_h2(&mut socket, &stop).await,
                     (Target::Proxy, "zero-window-h2") => {
-                        proxy::zero_window_h2(&mut socket, &counters, &stop).await
+                        proxy::small_window_h2(&mut socket, &counters, &stop, (0, "/big")).await
+                    }
+                    (Target::Proxy, "tiny-window-h2") => {
+                        proxy::small_window_h2(&mut socket, &counters, &stop, (1, "/orders")).await
                     }
                     (Target::Proxy, "big-headers") => {
                         proxy::big_headers(&mut socket, &counters).await

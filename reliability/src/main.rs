@@ -136,7 +136,7 @@ struct HostileArgs {
     /// Run only these attacks (default: all of the target's; grpc: idle-tcp,
     /// idle-h2, slowloris, rst-flood, big-metadata, non-reading; proxy:
     /// idle-tcp, idle-h2, slowloris, slow-body, slow-unkeyed-body,
-    /// big-headers, non-reading, zero-window-h2).
+    /// big-headers, non-reading, zero-window-h2, tiny-window-h2).
     #[arg(long = "attack", value_parser = clap::builder::PossibleValuesParser::new(hostile::all_attacks()))]
     attacks: Vec<String>,
     /// CI's bounded run: 6 s phases (past the sidecar's 5 s deadline for a

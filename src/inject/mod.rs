@@ -407,9 +407,13 @@ pub async fn serve(
                     .timer(hyper_util::rt::TokioTimer::new())
                     .header_read_timeout(HANDSHAKE_TIMEOUT)
                     .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
-                let ended =
-                    crate::listen::until_stopped(connection, &stopping, std::future::pending())
-                        .await;
+                let ended = crate::listen::until_stopped(
+                    connection,
+                    &stopping,
+                    std::future::pending(),
+                    None,
+                )
+                .await;
                 if let Err(error) = ended {
                     tracing::debug!(%peer, %error, "connection ended with an error");
                 }

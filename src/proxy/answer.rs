@@ -28,6 +28,8 @@ pub(super) enum BodyError {
     ClientPaused,
     #[error("the client sent its request body slower than {0} bytes a second")]
     ClientTooSlow(u64),
+    #[error("the client made no room for its answer in time")]
+    AnswerUntaken,
 }
 
 pub(super) type ProxyBody = BoxBody<Bytes, BodyError>;

@@ -1,38 +1,56 @@
 //! HTTP/2 answers under the deadline HTTP/1 answers get from
-//! [`crate::listen::WriteDeadline`]: a stream whose client makes no room
-//! for its answer within `--http-proxy-header-timeout` is reset.
+//! [`crate::listen::WriteDeadline`]: a stream whose client makes no room for
+//! its answer is reset.
 //!
 //! Over HTTP/2 the socket never blocks for one stream — flow control holds
 //! it back instead. A client that grants no window (an initial window of 0
-//! and never a WINDOW_UPDATE) leaves hyper holding the stream's task, the
+//! and never a WINDOW_UPDATE) left hyper holding the stream's task, the
 //! answer's next chunk and the rest of the answer for good: 128 streams a
 //! connection, each with up to `--http-proxy-max-response-bytes` gathered,
-//! and a graceful close that waits for them forever.
+//! and a graceful close that waited for them forever.
 //!
 //! hyper runs each HTTP/2 stream as a task spawned on the connection's
 //! executor ([`StreamExecutor`]). The answer's body ([`watched`]) tells that
 //! task when it handed hyper a frame and when hyper came back for the next
-//! one; hyper comes back only once the client made room for the frame it
-//! holds. A frame not followed by a request for the next within the
-//! deadline is a client that made no progress: the task is dropped, and h2
-//! resets the stream (CANCEL) and frees what it had queued for it. Frames
-//! are handed in slices of at most [`SLICE`] bytes, so that "no room for a
-//! frame" means no progress, not a large answer read at a modest pace.
+//! one: hyper comes back only once the client made room for what it holds.
+//! The time frames wait for room is held to a pace, as an unkeyed request
+//! body's is: the header timeout, plus a second for every
+//! [`MIN_BODY_RATE`] bytes the client made room for. Past it the task is
+//! dropped, and h2 resets the stream (CANCEL) and frees what it had queued
+//! — once the request's body is let go of too, which is why a request body
+//! streamed upstream ([`watched_request`]) fails at the same moment.
+//!
+//! Frames are handed in slices of at most [`SLICE`] bytes, and the last
+//! byte of each chunk on its own: hyper asks for the next frame only when
+//! the client made room for all it holds, so the stream's task ends only
+//! once the whole answer fits the client's window — never with a chunk left
+//! queued in h2 for a client that opened its window by a byte.
+//!
+//! A client reading slowly but at the pace keeps its stream, however long
+//! the answer; one that stops reading altogether is cut after the header
+//! timeout, as over HTTP/1.
 
 use std::{
     future::Future,
     pin::Pin,
-    sync::{Arc, Mutex},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex,
+    },
     task::{Context, Poll},
     time::Duration,
 };
 
 use bytes::{Buf, Bytes};
+use futures_util::task::AtomicWaker;
 use http_body_util::BodyExt;
 use hyper::body::{Body, Frame, SizeHint};
 use tokio::time::Instant;
 
-use super::answer::{BodyError, ProxyBody};
+use super::{
+    answer::{BodyError, ProxyBody},
+    forward::MIN_BODY_RATE,
+};
 
 /// The largest frame handed to hyper at once: HTTP/2's default frame size.
 const SLICE: usize = 16 << 10;
@@ -42,32 +60,73 @@ tokio::task_local! {
     static STREAM: Arc<SendProgress>;
 }
 
-/// When the stream's body last handed hyper a frame that hyper has not
-/// come back after (`None`: hyper is waiting for the body, whose own
-/// deadlines bound that, or the body has not started).
+/// How an HTTP/2 stream's answer is taken by its client, and whether the
+/// stream was given up on.
 #[derive(Debug, Default)]
-struct SendProgress(Mutex<Option<Instant>>);
+struct SendProgress {
+    pace: Mutex<Pace>,
+    /// Set when the stream is given up on: its request body fails.
+    cancelled: AtomicBool,
+    /// The request body's reader, woken when the stream is given up on.
+    request_reader: AtomicWaker,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Pace {
+    /// When the frame hyper holds was handed to it (`None`: hyper is
+    /// waiting for the body, whose own deadlines bound that, or the body
+    /// has not started).
+    handed_at: Option<Instant>,
+    /// Its size.
+    handed: u64,
+    /// The bytes the client made room for so far.
+    taken: u64,
+    /// The time frames waited for room so far.
+    waited: Duration,
+}
+
+impl Pace {
+    /// When the frame hyper holds has waited too long, if it holds one.
+    fn deadline(&self, stall: Duration) -> Option<Instant> {
+        let earned = Duration::from_secs_f64(self.taken as f64 / MIN_BODY_RATE as f64);
+        let allowance = (stall + earned).saturating_sub(self.waited);
+        self.handed_at.map(|handed_at| handed_at + allowance)
+    }
+}
 
 impl SendProgress {
-    fn set(&self, handed_at: Option<Instant>) {
-        // Poisoning is impossible (no code panics while holding it), and
-        // the value is a plain timestamp either way.
-        *self
-            .0
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner()) = handed_at;
-    }
-
-    fn handed_at(&self) -> Option<Instant> {
-        *self
-            .0
+    fn pace(&self) -> std::sync::MutexGuard<'_, Pace> {
+        // Poisoning is impossible (nothing panics while holding it), and
+        // the value is plain counters either way.
+        self.pace
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// hyper asks for a frame: the one it held was made room for.
+    fn asked(&self) {
+        let mut pace = self.pace();
+        if let Some(handed_at) = pace.handed_at.take() {
+            pace.waited += handed_at.elapsed();
+            pace.taken = pace.taken.saturating_add(pace.handed);
+        }
+    }
+
+    fn handed(&self, bytes: usize) {
+        let mut pace = self.pace();
+        pace.handed_at = Some(Instant::now());
+        pace.handed = bytes as u64;
+    }
+
+    fn cancel(&self) {
+        self.cancelled.store(true, Ordering::SeqCst);
+        self.request_reader.wake();
     }
 }
 
 /// The proxy listener's executor: runs each HTTP/2 stream's task, and
-/// drops one whose client made no room for its answer within `stall`.
+/// drops one whose client makes no room for its answer at the pace, with
+/// `stall` to start with.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct StreamExecutor {
     pub(super) stall: Duration,
@@ -82,8 +141,8 @@ where
     }
 }
 
-/// Runs `stream` until it ends, or until a frame it handed has waited
-/// longer than `stall` for the client.
+/// Runs `stream` until it ends, or until a frame it handed has waited for
+/// the client past the pace.
 async fn watch(stream: impl Future<Output = ()>, stall: Duration) {
     let progress = Arc::new(SendProgress::default());
     let stream = STREAM.scope(Arc::clone(&progress), stream);
@@ -95,15 +154,17 @@ async fn watch(stream: impl Future<Output = ()>, stall: Duration) {
             () = &mut stream => return,
             () = &mut check => {
                 let now = Instant::now();
-                match progress.handed_at() {
-                    Some(handed_at) if now.duration_since(handed_at) >= stall => {
+                let deadline = progress.pace().deadline(stall);
+                match deadline {
+                    Some(deadline) if deadline <= now => {
                         tracing::debug!(
                             stall = %humantime::format_duration(stall),
                             "an HTTP/2 client made no room for its answer in time; resetting the stream"
                         );
+                        progress.cancel();
                         return;
                     }
-                    Some(handed_at) => check.as_mut().reset(handed_at + stall),
+                    Some(deadline) => check.as_mut().reset(deadline),
                     None => check.as_mut().reset(now + stall),
                 }
             }
@@ -111,9 +172,9 @@ async fn watch(stream: impl Future<Output = ()>, stall: Duration) {
     }
 }
 
-/// `body`, reporting its progress to the HTTP/2 stream it is the answer of
-/// and sliced to [`SLICE`]; as it is elsewhere (HTTP/1 connections have
-/// their socket's write deadline).
+/// `body`, reporting its progress to the HTTP/2 stream it is the answer of,
+/// in slices; as it is elsewhere (HTTP/1 connections have their socket's
+/// write deadline).
 pub(super) fn watched(body: ProxyBody) -> ProxyBody {
     match STREAM.try_with(Arc::clone) {
         Ok(progress) => Watched {
@@ -126,11 +187,34 @@ pub(super) fn watched(body: ProxyBody) -> ProxyBody {
     }
 }
 
+/// A request body streamed upstream, failing once its HTTP/2 stream is
+/// given up on (the client made no room for the answer): until it is let
+/// go of, h2 keeps the stream, and the upstream call goes on.
+pub(super) fn watched_request(body: ProxyBody) -> ProxyBody {
+    match STREAM.try_with(Arc::clone) {
+        Ok(progress) => GivenUp { body, progress }.boxed(),
+        Err(_) => body,
+    }
+}
+
 struct Watched {
     body: ProxyBody,
-    /// What is left of a frame larger than [`SLICE`].
+    /// What is left of the chunk being handed on.
     rest: Bytes,
     progress: Arc<SendProgress>,
+}
+
+impl Watched {
+    /// The next slice of `rest`: at most [`SLICE`], and the chunk's last
+    /// byte alone.
+    fn slice(&mut self) -> Bytes {
+        let take = match self.rest.len() {
+            len if len > SLICE => SLICE,
+            len if len > 1 => len - 1,
+            len => len,
+        };
+        self.rest.split_to(take)
+    }
 }
 
 impl Body for Watched {
@@ -141,27 +225,24 @@ impl Body for Watched {
         mut self: Pin<&mut Self>,
         context: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
-        // hyper asks: the frame handed before has been made room for.
-        self.progress.set(None);
-        let frame = if self.rest.is_empty() {
+        self.progress.asked();
+        if self.rest.is_empty() {
             match Pin::new(&mut self.body).poll_frame(context) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
-                    Ok(mut data) if data.len() > SLICE => {
-                        self.rest = data.split_off(SLICE);
-                        Frame::data(data)
+                    Ok(data) if !data.is_empty() => self.rest = data,
+                    Ok(empty) => return Poll::Ready(Some(Ok(Frame::data(empty)))),
+                    Err(trailers) => {
+                        self.progress.handed(0);
+                        return Poll::Ready(Some(Ok(trailers)));
                     }
-                    Ok(data) => Frame::data(data),
-                    Err(frame) => frame,
                 },
                 Poll::Ready(ended) => return Poll::Ready(ended),
             }
-        } else {
-            let take = self.rest.len().min(SLICE);
-            Frame::data(self.rest.split_to(take))
-        };
-        self.progress.set(Some(Instant::now()));
-        Poll::Ready(Some(Ok(frame)))
+        }
+        let slice = self.slice();
+        self.progress.handed(slice.len());
+        Poll::Ready(Some(Ok(Frame::data(slice))))
     }
 
     fn is_end_stream(&self) -> bool {
@@ -180,15 +261,44 @@ impl Body for Watched {
     }
 }
 
+struct GivenUp {
+    body: ProxyBody,
+    progress: Arc<SendProgress>,
+}
+
+impl Body for GivenUp {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        context: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        self.progress.request_reader.register(context.waker());
+        if self.progress.cancelled.load(Ordering::SeqCst) {
+            return Poll::Ready(Some(Err(BodyError::AnswerUntaken)));
+        }
+        Pin::new(&mut self.body).poll_frame(context)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use http_body_util::Full;
 
-    /// Slices of at most [`SLICE`], in order, all of it; the size hint
-    /// counts what is left.
+    /// Slices of at most [`SLICE`], the last byte alone, in order, all of
+    /// it; the size hint counts what is left.
     #[tokio::test]
-    async fn large_frames_are_handed_in_slices() {
+    async fn large_frames_are_handed_in_slices_and_the_last_byte_alone() {
         let whole: Vec<u8> = (0..(SLICE * 2 + 100)).map(|i| i as u8).collect();
         let body = Full::new(Bytes::from(whole.clone()))
             .map_err(|never| match never {})
@@ -205,49 +315,61 @@ mod tests {
                     sizes.push(data.len());
                     read.extend_from_slice(&data);
                     // Handed, not yet come back for.
-                    assert!(progress.handed_at().is_some());
+                    assert!(progress.pace().handed_at.is_some());
                 }
             })
             .await;
-        assert_eq!(sizes, [SLICE, SLICE, 100]);
+        assert_eq!(sizes, [SLICE, SLICE, 99, 1]);
         assert_eq!(read, whole);
     }
 
-    /// A frame hyper never comes back after ends the stream's task at
-    /// `stall`; one it comes back after in time does not.
+    /// A reader that makes room at the pace (8 KiB every 8 s: 1 KiB/s)
+    /// keeps its stream well past the stall; once it stops, the stream's
+    /// task ends when the frame it holds has waited what the pace allows,
+    /// and a request body streamed upstream fails with it.
     #[tokio::test(start_paused = true)]
-    async fn a_stream_whose_frame_is_not_taken_is_dropped_at_the_stall() {
+    async fn a_stream_is_held_to_the_pace_and_dropped_when_its_client_stops() {
         let stall = Duration::from_secs(10);
-        let (frames, receive) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BodyError>>(4);
+        let (frames, receive) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BodyError>>(8);
         let source =
             http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(receive));
+        for _ in 0..4 {
+            frames
+                .send(Ok(Frame::data(Bytes::from(vec![b'x'; 8 << 10]))))
+                .await
+                .unwrap();
+        }
+        let (_keep_open, request) =
+            tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BodyError>>(1);
+        let request =
+            http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(request));
         let (taken, mut count) = tokio::sync::mpsc::unbounded_channel();
+        let (request_failed, failed) = tokio::sync::oneshot::channel();
         let started = Instant::now();
         let stream = async move {
+            let mut request = watched_request(request.boxed());
+            tokio::spawn(async move {
+                let _ = request_failed.send(request.frame().await.map(|frame| frame.is_err()));
+            });
             let mut body = watched(source.boxed());
-            // A reader that takes a frame every 8 s, twice, then stops.
-            for _ in 0..2 {
+            for _ in 0..6 {
                 body.frame().await.unwrap().unwrap();
                 taken.send(()).unwrap();
-                tokio::time::sleep(Duration::from_secs(8)).await;
+                tokio::time::sleep(Duration::from_secs(4)).await;
             }
             body.frame().await.unwrap().unwrap();
             taken.send(()).unwrap();
             std::future::pending::<()>().await;
         };
-        for _ in 0..3 {
-            frames
-                .send(Ok(Frame::data(Bytes::from_static(b"x"))))
-                .await
-                .unwrap();
-        }
         watch(stream, stall).await;
         let mut frames_taken = 0;
         while count.try_recv().is_ok() {
             frames_taken += 1;
         }
-        assert_eq!(frames_taken, 3);
-        // The third frame, handed at 16 s, waited the whole stall.
-        assert_eq!(started.elapsed(), Duration::from_secs(26));
+        assert_eq!(frames_taken, 7);
+        // The seventh frame, handed at 24 s after 24 s of waiting for 24 KiB
+        // of room, had the stall left: 10 s.
+        assert_eq!(started.elapsed(), Duration::from_secs(34));
+        assert_eq!(failed.await.unwrap(), Some(true), "the request body failed");
     }
 }

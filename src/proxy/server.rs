@@ -48,7 +48,7 @@ use super::{
     budget::Budgets,
     forward::streamed_request,
     idempotency::{CallerScope, IdempotencyKey, KeySyntax, ReleaseOn, RoutePattern},
-    send_deadline::{watched, StreamExecutor},
+    send_deadline::{watched, watched_request, StreamExecutor},
 };
 use crate::{
     engine::Engine,
@@ -142,7 +142,8 @@ pub struct ProxyConfig {
     pub connections: ConnectionLimits,
     /// Once shutdown begins, how long connections may finish and keyed
     /// requests still with the upstream may settle (`--shutdown-grace`:
-    /// the process exits when it ends).
+    /// the process exits when it ends); also how long an HTTP/2 connection
+    /// past `--max-connection-age` gives its requests in flight.
     pub shutdown_grace: Duration,
 }
 
@@ -246,6 +247,7 @@ pub async fn serve<S: Store>(
                 let peer = stream.connect_info().remote_addr();
                 let limits = proxy.config.connections;
                 let header_timeout = proxy.config.header_timeout;
+                let drain = proxy.config.shutdown_grace;
                 // Whether the client has sent an HTTP/1 request: such a
                 // connection is not closed for its age.
                 let http1 = Arc::new(AtomicBool::new(false));
@@ -282,8 +284,13 @@ pub async fn serve<S: Store>(
                 // the header timeout without progress.
                 let stream = crate::listen::WriteDeadline::new(stream, header_timeout);
                 let connection = builder.serve_connection(TokioIo::new(stream), service);
-                let ended =
-                    crate::listen::until_stopped(connection, &stopping, aged(limits, http1)).await;
+                let ended = crate::listen::until_stopped(
+                    connection,
+                    &stopping,
+                    aged(limits, http1),
+                    Some(drain),
+                )
+                .await;
                 if let Err(error) = ended {
                     tracing::debug!(?peer, %error, "proxy connection ended with an error");
                 }
@@ -380,7 +387,9 @@ impl<S: Store> Proxy<S> {
                 let (idle, grace) = (self.config.header_timeout, self.config.body_timeout);
                 Answer::new(
                     self.pass_through(
-                        request.map(|body| streamed_request(body, idle, grace, protocol)),
+                        request.map(|body| {
+                            watched_request(streamed_request(body, idle, grace, protocol))
+                        }),
                         protocol,
                     )
                     .await,

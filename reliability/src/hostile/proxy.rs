@@ -19,7 +19,9 @@
 //! - `idle-h2`: connections that send the preface and SETTINGS, then only
 //!   answer PINGs (closed at the maximum connection age, [`MAX_AGE`]);
 //! - `zero-window-h2`: connections granting no stream window that open 32
-//!   keyed `POST /big` streams and never make room for an answer.
+//!   keyed `POST /big` streams and never make room for an answer;
+//! - `tiny-window-h2`: the same granting one byte, for `POST /orders`'s
+//!   small answers (an answer handed to h2 whole outlived its stream's task).
 
 use std::{
     convert::Infallible,
@@ -51,7 +53,7 @@ use super::{AttackCounters, HostileConfig, Latencies, PhaseReport, WellBehaved};
 use crate::{h2raw, sidecar::Sidecar};
 
 /// The attacks on the proxy, in the order they run.
-pub const PROXY_ATTACKS: [&str; 8] = [
+pub const PROXY_ATTACKS: [&str; 9] = [
     "idle-tcp",
     "idle-h2",
     "slowloris",
@@ -60,6 +62,7 @@ pub const PROXY_ATTACKS: [&str; 8] = [
     "big-headers",
     "non-reading",
     "zero-window-h2",
+    "tiny-window-h2",
 ];
 
 /// The proxy's head and body deadlines in this run
@@ -72,8 +75,8 @@ pub const DEADLINE: Duration = Duration::from_secs(3);
 /// well-behaved client's stays).
 pub const MAX_AGE: Duration = Duration::from_secs(4);
 
-/// The streams each `zero-window-h2` connection opens.
-pub const ZERO_WINDOW_STREAMS: u32 = 32;
+/// The streams each `zero-window-h2` and `tiny-window-h2` connection opens.
+pub const WINDOW_STREAMS: u32 = 32;
 
 /// What one connection that never reads may pin in the proxy, KiB, over
 /// the configured memory bound: the answer hyper is stuck writing (60 KiB,
@@ -335,7 +338,7 @@ pub(super) async fn slow_unkeyed_body(
 /// proxy closed it.
 pub(super) async fn idle_h2(socket: &mut TcpStream, stop: &AtomicBool) -> Result<(), ()> {
     socket.write_all(&h2raw::open()).await.map_err(drop)?;
-    let heard = h2raw::converse(socket, stop, |_| false).await;
+    let heard = h2raw::converse(socket, stop, Duration::ZERO, |_| false).await;
     if heard.closed {
         Err(())
     } else {
@@ -343,42 +346,45 @@ pub(super) async fn idle_h2(socket: &mut TcpStream, stop: &AtomicBool) -> Result
     }
 }
 
-/// An HTTP/2 connection granting no stream window that opens
-/// [`ZERO_WINDOW_STREAMS`] keyed `POST /big` streams (one key per
+/// An HTTP/2 connection granting each stream `window` bytes that opens
+/// [`WINDOW_STREAMS`] keyed `POST` streams to `path` (one key per
 /// connection: the first is forwarded, the rest replayed) and never makes
-/// room for their answers; `Err` once the proxy reset every one of them or
-/// closed the connection.
-pub(super) async fn zero_window_h2(
+/// room for more of their answers; `Err` once the proxy reset every one of
+/// them with CANCEL, no sooner than [`DEADLINE`] after its answer began
+/// (or closed the connection).
+pub(super) async fn small_window_h2(
     socket: &mut TcpStream,
     counters: &AttackCounters,
     stop: &AtomicBool,
+    (window, path): (u32, &str),
 ) -> Result<(), ()> {
     static CONNECTIONS: AtomicU64 = AtomicU64::new(0);
-    let key = format!("zero-window-{}", CONNECTIONS.fetch_add(1, Relaxed));
+    let key = format!("window-{window}-{}", CONNECTIONS.fetch_add(1, Relaxed));
     let block = h2raw::header_block(&[
         (":method", b"POST"),
         (":scheme", b"http"),
-        (":path", b"/big"),
+        (":path", path.as_bytes()),
         (":authority", b"x"),
         ("idempotency-key", key.as_bytes()),
         ("authorization", b"Bearer attacker"),
         ("content-type", b"application/json"),
     ]);
-    let mut opening = h2raw::open_with_zero_window();
-    for stream in (1..).step_by(2).take(ZERO_WINDOW_STREAMS as usize) {
+    let mut opening = h2raw::open_with_window(window);
+    for stream in (1..).step_by(2).take(WINDOW_STREAMS as usize) {
         opening.extend(h2raw::headers(stream, &block, false));
         opening.extend(h2raw::data(stream, b"{}"));
     }
     socket.write_all(&opening).await.map_err(drop)?;
     counters
         .streams
-        .fetch_add(u64::from(ZERO_WINDOW_STREAMS), Relaxed);
+        .fetch_add(u64::from(WINDOW_STREAMS), Relaxed);
     counters.bytes.fetch_add(opening.len() as u64, Relaxed);
-    let heard = h2raw::converse(socket, stop, |heard| {
-        heard.resets >= u64::from(ZERO_WINDOW_STREAMS)
+    let all = u64::from(WINDOW_STREAMS);
+    let heard = h2raw::converse(socket, stop, DEADLINE.mul_f64(0.9), |heard| {
+        heard.cancelled >= all
     })
     .await;
-    if heard.closed || heard.resets >= u64::from(ZERO_WINDOW_STREAMS) {
+    if heard.closed || heard.cancelled >= all {
         Err(())
     } else {
         Ok(())
