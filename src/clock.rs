@@ -43,10 +43,66 @@ impl fmt::Display for UnixMillis {
     }
 }
 
+/// "Now" as a clock can vouch for it: the true time lies within
+/// [`earliest`, `latest`] (SPEC §5). Every decision takes the end that is
+/// safe: a lease or a retention lasts until `earliest` is past its end, so
+/// no pod takes it for over while it may still run by another's reckoning;
+/// new ends are set from `latest`, so none ends sooner than asked by
+/// anyone's. Two pods whose estimates differ within their bounds therefore
+/// never both hold a key.
+///
+/// [`earliest`]: Now::earliest
+/// [`latest`]: Now::latest
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Now {
+    /// The true time is this or later.
+    pub earliest: UnixMillis,
+    /// The true time is this or earlier.
+    pub latest: UnixMillis,
+}
+
+impl Now {
+    /// A time known exactly (one pod's own clock: one clock, no doubt).
+    pub fn exact(at: UnixMillis) -> Now {
+        Now {
+            earliest: at,
+            latest: at,
+        }
+    }
+
+    /// Whether `end` may still be ahead: a lease or retention ending then
+    /// still holds.
+    pub fn before(&self, end: UnixMillis) -> bool {
+        self.earliest < end
+    }
+
+    /// An end `after` from now, by the latest reckoning.
+    pub fn plus(&self, after: Duration) -> UnixMillis {
+        self.latest.saturating_add(after)
+    }
+
+    /// How long until `end` has surely passed.
+    pub fn until(&self, end: UnixMillis) -> Duration {
+        end.saturating_since(self.earliest)
+    }
+}
+
+impl From<UnixMillis> for Now {
+    fn from(at: UnixMillis) -> Now {
+        Now::exact(at)
+    }
+}
+
 /// A source of the current time.
 pub trait Clock: Send + Sync + fmt::Debug + 'static {
-    /// The current wall-clock time.
+    /// The current wall-clock time (the clock's best estimate).
     fn now(&self) -> UnixMillis;
+
+    /// The current time as an interval the true time lies in; a clock that
+    /// knows it exactly (the pod's own, for its own store) answers a point.
+    fn interval(&self) -> Now {
+        Now::exact(self.now())
+    }
 
     /// `Ok` while [`Clock::now`] can be trusted for a decision; why not
     /// otherwise (a store's clock not measured recently enough: see
@@ -67,8 +123,11 @@ pub trait Clock: Send + Sync + fmt::Debug + 'static {
 pub struct ClockReport {
     /// This pod's wall clock minus the measured clock.
     pub local_offset_seconds: f64,
-    /// How far the measured clock's estimate may be off.
+    /// How far the measured clock's estimate may be off (a step of it
+    /// included, while it widens the interval).
     pub uncertainty_seconds: f64,
+    /// Steps of the measured clock seen so far.
+    pub steps: u64,
 }
 
 /// The real wall clock.
@@ -108,5 +167,23 @@ impl ManualClock {
 impl Clock for ManualClock {
     fn now(&self) -> UnixMillis {
         UnixMillis(self.millis.load(Ordering::SeqCst))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_interval_ends_a_lease_late_and_sets_ends_late() {
+        let now = Now {
+            earliest: UnixMillis(1_000),
+            latest: UnixMillis(2_000),
+        };
+        assert!(now.before(UnixMillis(1_001)));
+        assert!(!now.before(UnixMillis(1_000)));
+        assert_eq!(now.plus(Duration::from_millis(500)), UnixMillis(2_500));
+        assert_eq!(now.until(UnixMillis(1_600)), Duration::from_millis(600));
+        assert_eq!(Now::from(UnixMillis(7)), Now::exact(UnixMillis(7)));
     }
 }

@@ -188,7 +188,8 @@ pub struct ServeArgs {
     /// every second; while it is known less precisely than this (the store
     /// silent, or its round trips too slow), calls are UNAVAILABLE and
     /// health NOT_SERVING instead of deciding on a wrong clock. A lease or
-    /// retention may end up to twice this early or late.
+    /// retention never ends early by any pod's reckoning; it may last up to
+    /// four times this longer.
     #[arg(long, env = "DEDUPD_MAX_CLOCK_UNCERTAINTY", default_value = "500ms")]
     pub max_clock_uncertainty: humantime::Duration,
     /// Redis only: after each write, wait (`WAIT`) until this many replicas

@@ -8,7 +8,7 @@ use std::{fmt, future::Future, sync::Arc};
 use tracing::Instrument;
 
 use crate::{
-    clock::{Clock, UnixMillis},
+    clock::{Clock, Now, UnixMillis},
     domain::{
         ClaimOutcome, ClaimRequest, CommitOutcome, CommitRequest, Key, LeaseLost, LeaseToken,
         OrderingScope, OutcomeKind, Record, ReleaseOutcome, ReleaseRequest, RenewRequest,
@@ -70,17 +70,22 @@ impl<S: Store> Engine<S> {
         &self.store
     }
 
-    /// The current time by the engine's clock.
+    /// The moment every record that has ended has surely ended: what the
+    /// reaper deletes up to (the interval's `earliest`, so nothing is
+    /// deleted that another pod's reckoning still holds).
     pub fn now(&self) -> UnixMillis {
-        self.clock.now()
+        self.clock.interval().earliest
     }
 
-    /// The time a decision is taken at: the clock's, if it can be trusted
-    /// (on a shared store, the store's clock measured recently and closely
-    /// enough: [`crate::time_policy`]); otherwise the call is UNAVAILABLE.
-    fn decision_time(&self) -> Result<UnixMillis, Error> {
+    /// The time a decision is taken at: the clock's interval, if it can be
+    /// trusted (on a shared store, the store's clock measured recently and
+    /// closely enough: [`crate::time_policy`]); otherwise the call is
+    /// UNAVAILABLE. Read for each attempt of a write (inside the store's
+    /// read-modify-write, after the read and any conflict), so a write that
+    /// lands late does not end its lease from a time read before it.
+    fn decision_time(&self) -> Result<Now, Error> {
         self.clock.verify().map_err(Error::Unavailable)?;
-        Ok(self.clock.now())
+        Ok(self.clock.interval())
     }
 
     /// `Ok` while calls can be answered: the store takes writes and the
@@ -183,11 +188,11 @@ impl<S: Store> Engine<S> {
     /// Extend a claim's lease; returns the new expiry.
     pub async fn renew(&self, request: &RenewRequest) -> Result<UnixMillis, Error> {
         telemetry::record_call(&request.key, self.store.kind());
-        let now = self.decision_time()?;
+        self.decision_time()?;
         let outcome = self
             .store
             .update(&request.key, |current, _| {
-                Ok(machine::renew(current, request, now))
+                Ok(machine::renew(current, request, self.decision_time()?))
             })
             .instrument(telemetry::store_span(self.store.kind()))
             .await?;
@@ -215,10 +220,12 @@ impl<S: Store> Engine<S> {
     /// Delete `key`; true if a live record existed.
     pub async fn forget(&self, key: &Key) -> Result<bool, Error> {
         telemetry::record_call(key, self.store.kind());
-        let now = self.decision_time()?;
+        self.decision_time()?;
         let existed = self
             .store
-            .update(key, |current, _| Ok(machine::forget(current, now)))
+            .update(key, |current, _| {
+                Ok(machine::forget(current, self.decision_time()?))
+            })
             .instrument(telemetry::store_span(self.store.kind()))
             .await?;
         self.wait_durable().await?;
@@ -245,7 +252,7 @@ impl<S: Store> Engine<S> {
                 machine::claim(
                     current,
                     request,
-                    now,
+                    self.decision_time()?,
                     lease_token,
                     highest_committed_sequence,
                     issue_fencing,
@@ -264,11 +271,11 @@ impl<S: Store> Engine<S> {
         &self,
         request: &CommitRequest,
     ) -> Result<Result<CommitOutcome, LeaseLost>, Error> {
-        let now = self.decision_time()?;
+        self.decision_time()?;
         let outcome = self
             .store
             .update(&request.key, |current, _| {
-                Ok(machine::commit(current, request, now))
+                Ok(machine::commit(current, request, self.decision_time()?))
             })
             .await?;
         match &outcome {
@@ -279,8 +286,7 @@ impl<S: Store> Engine<S> {
         if let Ok(committed) = &outcome {
             // Also on ALREADY_COMMITTED: if we crashed between the record and
             // the mark, the client's retry is what raises the mark.
-            self.raise_mark(&request.key, committed.record(), now)
-                .await?;
+            self.raise_mark(&request.key, committed.record()).await?;
         }
         Ok(outcome)
     }
@@ -289,11 +295,11 @@ impl<S: Store> Engine<S> {
         &self,
         request: &ReleaseRequest,
     ) -> Result<Result<ReleaseOutcome, LeaseLost>, Error> {
-        let now = self.decision_time()?;
+        self.decision_time()?;
         let outcome = self
             .store
             .update(&request.key, |current, _| {
-                Ok(machine::release(current, request, now))
+                Ok(machine::release(current, request, self.decision_time()?))
             })
             .await?;
         match outcome {
@@ -304,12 +310,8 @@ impl<S: Store> Engine<S> {
         Ok(outcome)
     }
 
-    async fn raise_mark(
-        &self,
-        key: &Key,
-        committed: &Record,
-        now: UnixMillis,
-    ) -> Result<(), Error> {
+    async fn raise_mark(&self, key: &Key, committed: &Record) -> Result<(), Error> {
+        let now = self.decision_time()?;
         let Some(position) = &committed.ordering else {
             return Ok(());
         };
@@ -367,5 +369,95 @@ impl Step for ReleaseRequest {
 fn lease_lost(key: &Key) -> Error {
     Error::LeaseLost {
         key: key.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::{
+        clock::ManualClock,
+        domain::{ClaimOutcome, ClaimRequest, Key},
+        store::memory::MemoryStore,
+    };
+
+    /// A pod's estimate of the store's clock: the true time (`truth`) plus
+    /// `offset_ms`, uncertain by `doubt_ms` — a pod at one end of its bound.
+    #[derive(Debug)]
+    struct Estimate {
+        truth: ManualClock,
+        offset_ms: i64,
+        doubt_ms: u64,
+    }
+
+    impl Clock for Estimate {
+        fn now(&self) -> UnixMillis {
+            UnixMillis(self.truth.now().0.saturating_add_signed(self.offset_ms))
+        }
+
+        fn interval(&self) -> Now {
+            let estimate = self.now().0;
+            Now {
+                earliest: UnixMillis(estimate - self.doubt_ms),
+                latest: UnixMillis(estimate + self.doubt_ms),
+            }
+        }
+    }
+
+    /// Two pods on one store, their estimates at opposite ends of ±u: the
+    /// second may not take the key until the first's lease has surely
+    /// ended by both reckonings. (With point estimates it was CLAIMED at
+    /// L − 2u + 1 ms: two holders for up to 2u.)
+    #[tokio::test]
+    async fn pods_at_opposite_ends_of_the_bound_never_both_hold_a_key() {
+        const U: u64 = 500;
+        let lease = Duration::from_secs(30);
+        let truth = ManualClock::new(UnixMillis(1_800_000_000_000));
+        let store = Arc::new(MemoryStore::new());
+        let behind = Engine::new(
+            Arc::clone(&store),
+            Arc::new(Estimate {
+                truth: truth.clone(),
+                offset_ms: -(U as i64),
+                doubt_ms: U,
+            }),
+        );
+        let ahead = Engine::new(
+            store,
+            Arc::new(Estimate {
+                truth: truth.clone(),
+                offset_ms: U as i64,
+                doubt_ms: U,
+            }),
+        );
+        let request = ClaimRequest::plain(
+            Key::new_unchecked("orders".into(), "o-1".into()),
+            lease,
+            Duration::from_secs(3600),
+        );
+        let first = behind.claim(&request).await.unwrap();
+        assert!(matches!(first, ClaimOutcome::Claimed { .. }), "{first:?}");
+
+        truth.advance(lease - Duration::from_millis(2 * U) + Duration::from_millis(1));
+        let second = ahead.claim(&request).await.unwrap();
+        assert!(
+            matches!(second, ClaimOutcome::InProgress { .. }),
+            "a second holder while the first's lease may run: {second:?}"
+        );
+        // Once the lease has ended by every reckoning, the key is free.
+        truth.advance(Duration::from_millis(2 * U));
+        let third = ahead.claim(&request).await.unwrap();
+        assert!(
+            matches!(
+                third,
+                ClaimOutcome::Claimed {
+                    recovered: true,
+                    ..
+                }
+            ),
+            "{third:?}"
+        );
     }
 }

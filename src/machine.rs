@@ -1,6 +1,11 @@
 //! The state machine of protocol §2 (docs/protocol.md), as pure functions
 //! of (record, request, now).
 //!
+//! "Now" is an interval ([`Now`]: on a shared store, the store's clock as
+//! this pod can vouch for it). A lease or retention holds until the
+//! interval's `earliest` is past its end; new ends are set from its
+//! `latest`. A pod's own clock for its own store is a point.
+//!
 //! Every store runs these same functions inside its atomic read-modify-write
 //! of one key, so no rule exists twice. A function answers with the
 //! [`Change`] to apply and the outcome to report; it never does I/O. The one
@@ -8,7 +13,7 @@
 //! through `issue_fencing`, and only when it grants a claim.
 
 use crate::{
-    clock::UnixMillis,
+    clock::{Now, UnixMillis},
     domain::{
         ClaimOutcome, ClaimRequest, CommitOutcome, CommitRequest, FencingToken, LeaseLost,
         LeaseToken, Record, RecordState, ReleaseOutcome, ReleaseRequest, RenewRequest,
@@ -41,13 +46,15 @@ pub struct SequenceMark {
 }
 
 /// Expiry never depends on the reaper: a record past `retain_until` is absent.
-pub fn live(current: Option<&Record>, now: UnixMillis) -> Option<&Record> {
-    current.filter(|record| now < record.retain_until)
+pub fn live(current: Option<&Record>, now: impl Into<Now>) -> Option<&Record> {
+    let now = now.into();
+    current.filter(|record| now.before(record.retain_until))
 }
 
 /// Same rule for ordering marks.
-pub fn live_mark(mark: Option<SequenceMark>, now: UnixMillis) -> Option<SequenceMark> {
-    mark.filter(|mark| now < mark.retain_until)
+pub fn live_mark(mark: Option<SequenceMark>, now: impl Into<Now>) -> Option<SequenceMark> {
+    let now = now.into();
+    mark.filter(|mark| now.before(mark.retain_until))
 }
 
 /// Claim: see the table in protocol §2. `highest_committed_sequence` is the live
@@ -55,11 +62,12 @@ pub fn live_mark(mark: Option<SequenceMark>, now: UnixMillis) -> Option<Sequence
 pub fn claim<E>(
     current: Option<&Record>,
     request: &ClaimRequest,
-    now: UnixMillis,
+    now: impl Into<Now>,
     lease_token: LeaseToken,
     highest_committed_sequence: Option<u64>,
     issue_fencing: impl FnOnce() -> Result<FencingToken, E>,
 ) -> Result<(Change, ClaimOutcome), E> {
+    let now = now.into();
     let current = live(current, now);
     if let Some(record) = current {
         if !request.payload_fingerprint.is_empty()
@@ -75,7 +83,7 @@ pub fn claim<E>(
                 return Ok((Change::Keep, ClaimOutcome::Duplicate { record }));
             }
             RecordState::Claimed
-                if now < record.lease_expires_at
+                if now.before(record.lease_expires_at)
                     && !request.request_id.is_empty()
                     && request.request_id == record.request_id =>
             {
@@ -85,8 +93,8 @@ pub fn claim<E>(
                 let record = record.clone();
                 return Ok((Change::Keep, ClaimOutcome::Claimed { record, recovered }));
             }
-            RecordState::Claimed if now < record.lease_expires_at => {
-                let retry_after = record.lease_expires_at.saturating_since(now);
+            RecordState::Claimed if now.before(record.lease_expires_at) => {
+                let retry_after = now.until(record.lease_expires_at);
                 let record = record.clone();
                 return Ok((
                     Change::Keep,
@@ -112,7 +120,7 @@ pub fn claim<E>(
 
     // A live CLAIMED record here has an expired lease: its holder died.
     let recovered = current.is_some_and(|record| record.state == RecordState::Claimed);
-    let lease_expires_at = now.saturating_add(request.lease_ttl);
+    let lease_expires_at = now.plus(request.lease_ttl);
     let payload_fingerprint = match (request.payload_fingerprint.is_empty(), current) {
         // Keep the first fingerprint seen, so a later different one is caught.
         (true, Some(record)) => record.payload_fingerprint.clone(),
@@ -128,7 +136,7 @@ pub fn claim<E>(
         consumer_version: request.consumer_version.clone(),
         owner: request.owner.clone(),
         payload_fingerprint,
-        claimed_at: now,
+        claimed_at: now.latest,
         committed_at: None,
         retain_until: lease_expires_at.saturating_add(request.retention),
         retention: request.retention,
@@ -148,8 +156,9 @@ pub fn claim<E>(
 pub fn commit(
     current: Option<&Record>,
     request: &CommitRequest,
-    now: UnixMillis,
+    now: impl Into<Now>,
 ) -> (Change, Result<CommitOutcome, LeaseLost>) {
+    let now = now.into();
     let Some(record) = held_by(live(current, now), request.lease_token) else {
         return (Change::Keep, Err(LeaseLost));
     };
@@ -158,8 +167,8 @@ pub fn commit(
             let retention = request.retention.unwrap_or(record.retention);
             let committed = Record {
                 state: RecordState::Committed,
-                committed_at: Some(now),
-                retain_until: now.saturating_add(retention),
+                committed_at: Some(now.latest),
+                retain_until: now.plus(retention),
                 retention,
                 response: request.response.clone(),
                 ..record.clone()
@@ -184,8 +193,9 @@ pub fn commit(
 pub fn release(
     current: Option<&Record>,
     request: &ReleaseRequest,
-    now: UnixMillis,
+    now: impl Into<Now>,
 ) -> (Change, Result<ReleaseOutcome, LeaseLost>) {
+    let now = now.into();
     let Some(record) = live(current, now) else {
         return (Change::Keep, Ok(ReleaseOutcome::NotFound));
     };
@@ -196,8 +206,8 @@ pub fn release(
         RecordState::Claimed if record.lease_token == request.lease_token => {
             let released = Record {
                 state: RecordState::Released,
-                lease_expires_at: now,
-                retain_until: now.saturating_add(record.retention),
+                lease_expires_at: now.latest,
+                retain_until: now.plus(record.retention),
                 ..record.clone()
             };
             (Change::Put(released), Ok(ReleaseOutcome::Released))
@@ -215,11 +225,12 @@ pub fn release(
 pub fn renew(
     current: Option<&Record>,
     request: &RenewRequest,
-    now: UnixMillis,
+    now: impl Into<Now>,
 ) -> (Change, Result<UnixMillis, LeaseLost>) {
+    let now = now.into();
     match held_by(live(current, now), request.lease_token) {
         Some(record) if record.state == RecordState::Claimed => {
-            let lease_expires_at = now.saturating_add(request.lease_ttl);
+            let lease_expires_at = now.plus(request.lease_ttl);
             let renewed = Record {
                 lease_expires_at,
                 retain_until: lease_expires_at.saturating_add(record.retention),
@@ -232,7 +243,7 @@ pub fn renew(
 }
 
 /// Forget (admin): removes the record; reports whether a live one existed.
-pub fn forget(current: Option<&Record>, now: UnixMillis) -> (Change, bool) {
+pub fn forget(current: Option<&Record>, now: impl Into<Now>) -> (Change, bool) {
     let existed = live(current, now).is_some();
     let change = if current.is_some() {
         Change::Delete
@@ -248,7 +259,7 @@ pub fn forget(current: Option<&Record>, now: UnixMillis) -> (Change, bool) {
 pub fn raise_mark(
     current: Option<SequenceMark>,
     committed: &Record,
-    now: UnixMillis,
+    now: impl Into<Now>,
 ) -> Option<SequenceMark> {
     let position = committed.ordering.as_ref()?;
     let candidate = SequenceMark {

@@ -250,7 +250,10 @@ fn serve(args: &ServeArgs) -> ExitCode {
                 Ok(store) => {
                     tracing::info!(url = %redact_url(&config.url), schema = %config.schema, "shared store: PostgreSQL");
                     let _upkeep = AbortOnDrop(store.keep_connected());
-                    let clock = Arc::new(StoreClock::new(*max_clock_uncertainty));
+                    let clock = Arc::new(StoreClock::new(
+                        *max_clock_uncertainty,
+                        server.limits.max_lease_ttl,
+                    ));
                     serve_shared(store, local_tier.as_ref(), observer, &settings, server, clock)
                         .await
                 }
@@ -265,7 +268,10 @@ fn serve(args: &ServeArgs) -> ExitCode {
                 max_clock_uncertainty,
                 ..
             } => {
-                let clock = Arc::new(StoreClock::new(*max_clock_uncertainty));
+                let clock = Arc::new(StoreClock::new(
+                        *max_clock_uncertainty,
+                        server.limits.max_lease_ttl,
+                    ));
                 match RedisStore::new(config, Arc::clone(&clock) as _) {
                     Ok(store) => {
                         tracing::info!(url = %redact_url(&config.url), prefix = %config.prefix, replicas = config.replicas, "shared store: Redis");

@@ -81,6 +81,9 @@ pub struct Metrics {
     disk_bytes: Gauge,
     clock_offset: Gauge<f64, std::sync::atomic::AtomicU64>,
     clock_uncertainty: Gauge<f64, std::sync::atomic::AtomicU64>,
+    clock_steps: Counter,
+    /// The steps already counted in `clock_steps`.
+    clock_steps_seen: std::sync::atomic::AtomicU64,
     reaped: Counter,
     reaper_passes: Counter,
     reaper_examined: Counter,
@@ -178,6 +181,12 @@ impl Metrics {
             "store_clock_uncertainty_seconds",
             "How far the estimate of the shared store's clock may be off (shared stores only)",
             clock_uncertainty.clone(),
+        );
+        let clock_steps = Counter::default();
+        registry.register(
+            "store_clock_steps",
+            "Steps of the shared store's clock seen (each widens the time interval for the longest lease; shared stores only)",
+            clock_steps.clone(),
         );
         let reaped = Counter::default();
         registry.register(
@@ -294,6 +303,8 @@ impl Metrics {
             disk_bytes,
             clock_offset,
             clock_uncertainty,
+            clock_steps,
+            clock_steps_seen: std::sync::atomic::AtomicU64::new(0),
             reaped,
             reaper_passes,
             reaper_examined,
@@ -430,6 +441,10 @@ impl Metrics {
     pub fn store_clock(&self, report: crate::clock::ClockReport) {
         self.clock_offset.set(report.local_offset_seconds);
         self.clock_uncertainty.set(report.uncertainty_seconds);
+        let seen = self
+            .clock_steps_seen
+            .swap(report.steps, std::sync::atomic::Ordering::Relaxed);
+        self.clock_steps.inc_by(report.steps.saturating_sub(seen));
     }
 
     /// The OpenMetrics text of every metric.

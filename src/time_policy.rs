@@ -18,8 +18,22 @@
 //! (never measured, no answer from the store for [`MAX_MEASUREMENT_AGE`], or
 //! round trips too slow to tell), [`Clock::verify`] fails: calls answer
 //! `UNAVAILABLE` and health is `NOT_SERVING`, rather than deciding on a wrong
-//! clock. Within the bound, a lease or a retention can end at most twice the
-//! bound early or late, whatever the pods' own clocks say.
+//! clock.
+//!
+//! Decisions take the estimate as an interval ([`Clock::interval`]: the
+//! estimate, give or take its uncertainty), each at its safe end (see
+//! [`crate::clock::Now`]): a lease ends when the earliest the store's time
+//! may be is past it, and is set from the latest. Two pods at opposite ends
+//! of the bound still never both hold a key; a lease may last up to four
+//! times the bound longer than asked, never shorter.
+//!
+//! A step of the store's clock (a failover to a server whose clock is
+//! ahead, an operator) is taken at once, as the new truth; but leases were
+//! set by the old clock, and other pods have not measured the new one yet.
+//! So for the longest lease after it the interval is widened by the step on
+//! both sides: no lease ends early by the new clock, and no new end is set
+//! early for a pod still on the old one. Each step is logged and counted
+//! (`dedupd_store_clock_steps_total`).
 //!
 //! The embedded sled store keeps the pod's clock: one pod, one clock.
 
@@ -27,14 +41,14 @@ use std::{
     fmt,
     future::Future,
     sync::{
-        atomic::{AtomicBool, AtomicI64, Ordering::SeqCst},
+        atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering::SeqCst},
         Arc, RwLock,
     },
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use crate::{
-    clock::{Clock, ClockReport, SystemClock, UnixMillis},
+    clock::{Clock, ClockReport, Now, SystemClock, UnixMillis},
     error::Error,
 };
 
@@ -114,7 +128,13 @@ fn wall_micros() -> u64 {
 /// The store's clock, as measured from this pod (see the module's text).
 pub struct StoreClock {
     max_uncertainty: Duration,
+    /// How long a step widens the interval: the longest lease.
+    widen_for: Duration,
     measured: RwLock<Option<Measurement>>,
+    /// The largest step still widening the interval, and until when.
+    step: RwLock<Option<(Duration, Instant)>>,
+    /// Steps seen.
+    steps: AtomicU64,
     /// When the store last answered a reading, kept or not: a store that
     /// answers is not silent, even while its round trips are too slow to
     /// improve on the kept reading.
@@ -140,11 +160,14 @@ impl fmt::Debug for StoreClock {
 
 impl StoreClock {
     /// A clock not measured yet, trusted once measured within
-    /// `max_uncertainty`.
-    pub fn new(max_uncertainty: Duration) -> Self {
+    /// `max_uncertainty`; a step widens it for `longest_lease`.
+    pub fn new(max_uncertainty: Duration, longest_lease: Duration) -> Self {
         StoreClock {
             max_uncertainty,
+            widen_for: longest_lease,
             measured: RwLock::new(None),
+            step: RwLock::new(None),
+            steps: AtomicU64::new(0),
             last_heard: RwLock::new(None),
             local_offset_micros: AtomicI64::new(0),
             offset_known: AtomicBool::new(false),
@@ -174,10 +197,13 @@ impl StoreClock {
                         // Not drift: the store's clock was stepped, or this
                         // process was frozen (a paused VM) while its
                         // monotonic clock stood still. Only the new reading
-                        // tells the truth now.
+                        // tells the truth now; leases set by the old one
+                        // are covered by widening the interval.
+                        self.widen(gap, received);
                         tracing::warn!(
                             gap = ?gap,
-                            "the store's clock moved against this pod's monotonic clock (a step of the store's clock, or a paused pod): measured again"
+                            widened_for = ?self.widen_for,
+                            "the store's clock moved against this pod's monotonic clock (a step of the store's clock, or a paused pod): measured again, and the time interval widened by the step for the longest lease"
                         );
                         true
                     } else {
@@ -192,6 +218,30 @@ impl StoreClock {
         }
         *self.last_heard.write().expect("store clock lock") = Some(received);
         self.note_local_offset(received);
+    }
+
+    /// Widens the interval by `step` (or by a larger step still in force)
+    /// for the longest lease from `at`.
+    fn widen(&self, step: Duration, at: Instant) {
+        self.steps.fetch_add(1, SeqCst);
+        let mut current = self.step.write().expect("store clock lock");
+        let still = current
+            .filter(|(_, until)| *until > at)
+            .map(|(size, _)| size);
+        *current = Some((step.max(still.unwrap_or_default()), at + self.widen_for));
+    }
+
+    /// What a step adds to the uncertainty at `at`.
+    fn step_widening(&self, at: Instant) -> Duration {
+        match *self.step.read().expect("store clock lock") {
+            Some((size, until)) if at < until => size,
+            _ => Duration::ZERO,
+        }
+    }
+
+    /// Steps of the store's clock seen so far.
+    pub fn steps(&self) -> u64 {
+        self.steps.load(SeqCst)
     }
 
     /// Compares this pod's wall clock with the store's: only reported (a
@@ -223,10 +273,12 @@ impl StoreClock {
         }
     }
 
-    /// How uncertain the estimate is now, if measured.
+    /// How uncertain the estimate is now, if measured: the measurement's
+    /// own uncertainty, plus a step still widening it.
     pub fn uncertainty(&self) -> Option<Duration> {
         let measured = *self.measured.read().expect("store clock lock");
-        measured.map(|measured| measured.uncertainty_at(Instant::now()))
+        let now = Instant::now();
+        measured.map(|measured| measured.uncertainty_at(now) + self.step_widening(now))
     }
 
     /// Measures the store's clock every [`MEASURE_EVERY`] for as long as the
@@ -252,6 +304,19 @@ impl Clock for StoreClock {
             Some(measured) => UnixMillis(measured.store_micros_at(Instant::now()) / 1000),
             // Never used for a decision: `verify` fails until measured.
             None => SystemClock.now(),
+        }
+    }
+
+    fn interval(&self) -> Now {
+        let Some(measured) = *self.measured.read().expect("store clock lock") else {
+            return Now::exact(SystemClock.now());
+        };
+        let at = Instant::now();
+        let estimate = measured.store_micros_at(at);
+        let doubt = micros(measured.uncertainty_at(at) + self.step_widening(at));
+        Now {
+            earliest: UnixMillis(estimate.saturating_sub(doubt) / 1000),
+            latest: UnixMillis(estimate.saturating_add(doubt).div_ceil(1000)),
         }
     }
 
@@ -287,6 +352,7 @@ impl Clock for StoreClock {
         Some(ClockReport {
             local_offset_seconds: self.local_offset_micros.load(SeqCst) as f64 / 1e6,
             uncertainty_seconds: uncertainty.as_secs_f64(),
+            steps: self.steps(),
         })
     }
 }
@@ -296,6 +362,7 @@ mod tests {
     use super::*;
 
     const STORE: u64 = 1_800_000_000_000_000;
+    const LEASE: Duration = Duration::from_secs(30);
 
     /// A moment `millis` ago: readings are taken in the past.
     fn ago(millis: u64) -> Instant {
@@ -306,7 +373,7 @@ mod tests {
 
     #[test]
     fn untrusted_until_measured_then_follows_the_store_not_the_pod() {
-        let clock = StoreClock::new(Duration::from_millis(500));
+        let clock = StoreClock::new(Duration::from_millis(500), LEASE);
         assert!(clock.verify().is_err());
         let sent = ago(100);
         clock.observe(sent, STORE, sent + Duration::from_millis(2));
@@ -322,39 +389,99 @@ mod tests {
 
     #[test]
     fn slow_round_trips_are_not_trusted_and_the_tighter_reading_wins() {
-        let clock = StoreClock::new(Duration::from_millis(500));
+        let clock = StoreClock::new(Duration::from_millis(500), LEASE);
         let sent = ago(3000);
         clock.observe(sent, STORE, sent + Duration::from_secs(2));
         let refused = clock.verify().unwrap_err();
         assert!(refused.contains("--max-clock-uncertainty"), "{refused}");
-        clock.observe(sent, STORE + 1_000_000, sent + Duration::from_millis(10));
+        // Within what the slow reading allows (not a step): kept, tighter.
+        clock.observe(sent, STORE - 900_000, sent + Duration::from_millis(10));
         clock.verify().unwrap();
         // A looser reading later does not replace it.
         let later = sent + Duration::from_millis(20);
         clock.observe(
             later,
-            STORE + 1_000_000 + 20_000,
+            STORE - 900_000 + 20_000,
             later + Duration::from_millis(400),
         );
         assert!(clock.uncertainty().unwrap() < Duration::from_millis(50));
     }
 
+    /// What a test's code logged.
+    #[derive(Clone, Default)]
+    struct Logged(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Logged {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logged {
+        type Writer = Logged;
+        fn make_writer(&'a self) -> Logged {
+            self.clone()
+        }
+    }
+
+    /// A step of the store's clock (+5 s, the monotonic clock unmoved) is
+    /// taken at once as the new estimate, but for the longest lease the
+    /// interval keeps the old time as its earliest: no lease set by the old
+    /// clock ends early. The step is logged and counted; past the longest
+    /// lease the interval narrows again.
     #[test]
-    fn a_step_of_the_store_clock_is_taken_at_once() {
-        let clock = StoreClock::new(Duration::from_millis(500));
+    fn a_step_of_the_store_clock_widens_the_interval_for_the_longest_lease() {
+        let logged = Logged::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(logged.clone())
+            .with_ansi(false)
+            .finish();
+        let clock = StoreClock::new(Duration::from_millis(500), LEASE);
         let sent = ago(100);
-        clock.observe(sent, STORE, sent + Duration::from_millis(1));
-        // 60 s later by the store, though the monotonic clock moved 0 s: the
-        // store stepped (or we were frozen); the new reading replaces the
-        // old even though it is no tighter.
-        clock.observe(sent, STORE + 60_000_000, sent + Duration::from_millis(1));
-        let now = clock.now().0;
-        assert!(now >= (STORE + 60_000_000) / 1000, "{now}");
+        tracing::subscriber::with_default(subscriber, || {
+            clock.observe(sent, STORE, sent + Duration::from_millis(1));
+            let before = clock.interval();
+            clock.observe(sent, STORE + 5_000_000, sent + Duration::from_millis(1));
+            let after = clock.interval();
+            assert!(
+                clock.now().0 >= (STORE + 5_000_000) / 1000,
+                "the new estimate"
+            );
+            assert!(
+                after.earliest <= before.earliest,
+                "a lease could end early: {before:?} then {after:?}"
+            );
+            assert!(after.latest.0 >= (STORE + 10_000_000) / 1000, "{after:?}");
+        });
+        assert_eq!(clock.steps(), 1);
+        assert_eq!(clock.report().unwrap().steps, 1);
+        let text = String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
+        assert!(text.contains("the time interval widened"), "{text}");
+
+        // Past the longest lease, the step no longer widens it.
+        let long_ago = ago(LEASE.as_millis() as u64 + 1_000);
+        let narrow = StoreClock::new(Duration::from_millis(500), LEASE);
+        narrow.observe(long_ago, STORE, long_ago + Duration::from_millis(1));
+        narrow.observe(
+            long_ago,
+            STORE + 5_000_000,
+            long_ago + Duration::from_millis(1),
+        );
+        let interval = narrow.interval();
+        assert!(
+            interval.latest.0 - interval.earliest.0 < 1_000,
+            "still widened: {interval:?}"
+        );
     }
 
     #[test]
     fn a_store_that_answers_slowly_is_not_silent() {
-        let clock = StoreClock::new(Duration::from_millis(500));
+        let clock = StoreClock::new(Duration::from_millis(500), LEASE);
         // A tight reading 40 s ago, then only slow (not kept) answers: the
         // kept reading is old, but the store is heard from.
         let tight = ago(40_000);
@@ -363,7 +490,7 @@ mod tests {
         clock.observe(slow, STORE + 40_000_000, slow + Duration::from_millis(200));
         clock.verify().unwrap();
         // Nothing heard for longer than the limit: untrusted.
-        let quiet = StoreClock::new(Duration::from_millis(500));
+        let quiet = StoreClock::new(Duration::from_millis(500), LEASE);
         quiet.observe(tight, STORE, tight + Duration::from_micros(200));
         assert!(quiet.verify().unwrap_err().contains("has not answered"));
     }

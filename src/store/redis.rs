@@ -755,10 +755,12 @@ impl RedisStore {
     }
 
     /// Time to live of something retained until `until`, by this store's
-    /// clock (at least 1 ms: Redis refuses zero).
+    /// clock: from the interval's `earliest`, so Redis keeps it at least as
+    /// long as any pod's reckoning holds it (at least 1 ms: Redis refuses
+    /// zero).
     fn ttl_ms(&self, until: UnixMillis) -> u64 {
         until
-            .saturating_since(self.inner.clock.now())
+            .saturating_since(self.inner.clock.interval().earliest)
             .as_millis()
             .clamp(1, u128::from(u64::MAX)) as u64
     }

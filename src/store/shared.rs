@@ -20,8 +20,9 @@ pub const HEARTBEAT: Duration = Duration::from_secs(1);
 /// (the connection's own buffers then hold the rest).
 pub const FEED_BUFFER: usize = 1024;
 
-/// Keys deleted from a shared store by any sidecar (a Forget, or a Release
-/// that removed a record), delivered to every sidecar subscribed.
+/// Keys deleted from a shared store by any sidecar (a Forget: a Release
+/// never deletes, it keeps the record released), delivered to every
+/// sidecar subscribed.
 pub trait DeletionFeed: Send + Sync + 'static {
     /// Subscribes, and resolves once the subscription is in place: every
     /// deletion committed from then on arrives on the receiver. The receiver

@@ -159,8 +159,9 @@ impl<S> Tiered<S> {
     /// the key may be claimed again, here or elsewhere).
     fn kept(&self, key: &Key) -> Option<Record> {
         let kept = self.tier.get(key)?;
-        let now = self.clock.now();
-        machine::live(Some(&kept), now).is_some().then_some(kept)
+        machine::live(Some(&kept), self.clock.interval())
+            .is_some()
+            .then_some(kept)
     }
 }
 
