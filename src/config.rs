@@ -187,9 +187,9 @@ pub struct ServeArgs {
     /// Shared stores only: decisions follow the store's clock, measured
     /// every second; while it is known less precisely than this (the store
     /// silent, or its round trips too slow), calls are UNAVAILABLE and
-    /// health NOT_SERVING instead of deciding on a wrong clock. A lease or
-    /// retention never ends early by any pod's reckoning; it may last up to
-    /// four times this longer.
+    /// health NOT_SERVING instead of deciding on a wrong clock. A lease
+    /// never ends early by any pod's reckoning; it may last up to four
+    /// times this longer (docs/protocol.md §8).
     #[arg(long, env = "DEDUPD_MAX_CLOCK_UNCERTAINTY", default_value = "500ms")]
     pub max_clock_uncertainty: humantime::Duration,
     /// Redis only: after each write, wait (`WAIT`) until this many replicas

@@ -80,9 +80,9 @@ impl<S: Store> Engine<S> {
     /// The time a decision is taken at: the clock's interval, if it can be
     /// trusted (on a shared store, the store's clock measured recently and
     /// closely enough: [`crate::time_policy`]); otherwise the call is
-    /// UNAVAILABLE. Read for each attempt of a write (inside the store's
-    /// read-modify-write, after the read and any conflict), so a write that
-    /// lands late does not end its lease from a time read before it.
+    /// UNAVAILABLE. Read once per call: a store that draws the fencing
+    /// token runs the machine again after its write, and that run must
+    /// reach the decision the write was made from.
     fn decision_time(&self) -> Result<Now, Error> {
         self.clock.verify().map_err(Error::Unavailable)?;
         Ok(self.clock.interval())
@@ -188,11 +188,11 @@ impl<S: Store> Engine<S> {
     /// Extend a claim's lease; returns the new expiry.
     pub async fn renew(&self, request: &RenewRequest) -> Result<UnixMillis, Error> {
         telemetry::record_call(&request.key, self.store.kind());
-        self.decision_time()?;
+        let now = self.decision_time()?;
         let outcome = self
             .store
             .update(&request.key, |current, _| {
-                Ok(machine::renew(current, request, self.decision_time()?))
+                Ok(machine::renew(current, request, now))
             })
             .instrument(telemetry::store_span(self.store.kind()))
             .await?;
@@ -220,12 +220,10 @@ impl<S: Store> Engine<S> {
     /// Delete `key`; true if a live record existed.
     pub async fn forget(&self, key: &Key) -> Result<bool, Error> {
         telemetry::record_call(key, self.store.kind());
-        self.decision_time()?;
+        let now = self.decision_time()?;
         let existed = self
             .store
-            .update(key, |current, _| {
-                Ok(machine::forget(current, self.decision_time()?))
-            })
+            .update(key, |current, _| Ok(machine::forget(current, now)))
             .instrument(telemetry::store_span(self.store.kind()))
             .await?;
         self.wait_durable().await?;
@@ -252,7 +250,7 @@ impl<S: Store> Engine<S> {
                 machine::claim(
                     current,
                     request,
-                    self.decision_time()?,
+                    now,
                     lease_token,
                     highest_committed_sequence,
                     issue_fencing,
@@ -271,11 +269,11 @@ impl<S: Store> Engine<S> {
         &self,
         request: &CommitRequest,
     ) -> Result<Result<CommitOutcome, LeaseLost>, Error> {
-        self.decision_time()?;
+        let now = self.decision_time()?;
         let outcome = self
             .store
             .update(&request.key, |current, _| {
-                Ok(machine::commit(current, request, self.decision_time()?))
+                Ok(machine::commit(current, request, now))
             })
             .await?;
         match &outcome {
@@ -286,7 +284,8 @@ impl<S: Store> Engine<S> {
         if let Ok(committed) = &outcome {
             // Also on ALREADY_COMMITTED: if we crashed between the record and
             // the mark, the client's retry is what raises the mark.
-            self.raise_mark(&request.key, committed.record()).await?;
+            self.raise_mark(&request.key, committed.record(), now)
+                .await?;
         }
         Ok(outcome)
     }
@@ -295,11 +294,11 @@ impl<S: Store> Engine<S> {
         &self,
         request: &ReleaseRequest,
     ) -> Result<Result<ReleaseOutcome, LeaseLost>, Error> {
-        self.decision_time()?;
+        let now = self.decision_time()?;
         let outcome = self
             .store
             .update(&request.key, |current, _| {
-                Ok(machine::release(current, request, self.decision_time()?))
+                Ok(machine::release(current, request, now))
             })
             .await?;
         match outcome {
@@ -310,8 +309,7 @@ impl<S: Store> Engine<S> {
         Ok(outcome)
     }
 
-    async fn raise_mark(&self, key: &Key, committed: &Record) -> Result<(), Error> {
-        let now = self.decision_time()?;
+    async fn raise_mark(&self, key: &Key, committed: &Record, now: Now) -> Result<(), Error> {
         let Some(position) = &committed.ordering else {
             return Ok(());
         };

@@ -441,9 +441,10 @@ impl Metrics {
     pub fn store_clock(&self, report: crate::clock::ClockReport) {
         self.clock_offset.set(report.local_offset_seconds);
         self.clock_uncertainty.set(report.uncertainty_seconds);
+        // fetch_max: a scrape holding an older report counts nothing twice.
         let seen = self
             .clock_steps_seen
-            .swap(report.steps, std::sync::atomic::Ordering::Relaxed);
+            .fetch_max(report.steps, std::sync::atomic::Ordering::Relaxed);
         self.clock_steps.inc_by(report.steps.saturating_sub(seen));
     }
 

@@ -135,6 +135,8 @@ pub struct StoreClock {
     step: RwLock<Option<(Duration, Instant)>>,
     /// Steps seen.
     steps: AtomicU64,
+    /// This pod's wall clock, in µs since the Unix epoch (a test's own).
+    wall: fn() -> u64,
     /// When the store last answered a reading, kept or not: a store that
     /// answers is not silent, even while its round trips are too slow to
     /// improve on the kept reading.
@@ -168,6 +170,7 @@ impl StoreClock {
             measured: RwLock::new(None),
             step: RwLock::new(None),
             steps: AtomicU64::new(0),
+            wall: wall_micros,
             last_heard: RwLock::new(None),
             local_offset_micros: AtomicI64::new(0),
             offset_known: AtomicBool::new(false),
@@ -197,14 +200,24 @@ impl StoreClock {
                         // Not drift: the store's clock was stepped, or this
                         // process was frozen (a paused VM) while its
                         // monotonic clock stood still. Only the new reading
-                        // tells the truth now; leases set by the old one
+                        // tells the truth now. After a pause the pod's wall
+                        // clock moved with the store's, and leases set
+                        // before it were set by the right clock; after a
+                        // step of the store's, leases set by the old one
                         // are covered by widening the interval.
-                        self.widen(gap, received);
-                        tracing::warn!(
-                            gap = ?gap,
-                            widened_for = ?self.widen_for,
-                            "the store's clock moved against this pod's monotonic clock (a step of the store's clock, or a paused pod): measured again, and the time interval widened by the step for the longest lease"
-                        );
+                        if self.paused_by(gap, &reading, received) {
+                            tracing::warn!(
+                                gap = ?gap,
+                                "this pod was paused (its wall clock moved with the store's, its monotonic clock did not): the store's clock measured again"
+                            );
+                        } else {
+                            self.widen(gap, received);
+                            tracing::warn!(
+                                gap = ?gap,
+                                widened_for = ?self.widen_for,
+                                "the store's clock stepped: measured again, and the time interval widened by the step for the longest lease"
+                            );
+                        }
                         true
                     } else {
                         // NTP's rule: the tighter reading wins.
@@ -220,15 +233,28 @@ impl StoreClock {
         self.note_local_offset(received);
     }
 
-    /// Widens the interval by `step` (or by a larger step still in force)
-    /// for the longest lease from `at`.
+    /// Whether a reading `gap` off the prediction is this pod's pause, not
+    /// the store's step: the pod's wall clock, against the store's, is
+    /// where it was before (within half the gap).
+    fn paused_by(&self, gap: Duration, reading: &Measurement, at: Instant) -> bool {
+        if !self.offset_known.load(SeqCst) {
+            return false;
+        }
+        let before = i128::from(self.local_offset_micros.load(SeqCst));
+        let now = i128::from((self.wall)()) - i128::from(reading.store_micros_at(at));
+        (now - before).unsigned_abs() < gap.as_micros() / 2
+    }
+
+    /// Widens the interval by `step`, on top of any step still in force
+    /// (two steps of 5 s leave leases set before both 10 s off), for the
+    /// longest lease from `at`.
     fn widen(&self, step: Duration, at: Instant) {
         self.steps.fetch_add(1, SeqCst);
         let mut current = self.step.write().expect("store clock lock");
         let still = current
             .filter(|(_, until)| *until > at)
             .map(|(size, _)| size);
-        *current = Some((step.max(still.unwrap_or_default()), at + self.widen_for));
+        *current = Some((still.unwrap_or_default() + step, at + self.widen_for));
     }
 
     /// What a step adds to the uncertainty at `at`.
@@ -244,6 +270,19 @@ impl StoreClock {
         self.steps.load(SeqCst)
     }
 
+    /// The interval at `at` ([`Clock::interval`] at a given moment).
+    fn interval_at(&self, at: Instant) -> Now {
+        let Some(measured) = *self.measured.read().expect("store clock lock") else {
+            return Now::exact(SystemClock.now());
+        };
+        let estimate = measured.store_micros_at(at);
+        let doubt = micros(measured.uncertainty_at(at) + self.step_widening(at));
+        Now {
+            earliest: UnixMillis(estimate.saturating_sub(doubt) / 1000),
+            latest: UnixMillis(estimate.saturating_add(doubt).div_ceil(1000)),
+        }
+    }
+
     /// Compares this pod's wall clock with the store's: only reported (a
     /// metric, and a log line when it steps), never used.
     fn note_local_offset(&self, at: Instant) {
@@ -251,7 +290,7 @@ impl StoreClock {
             return;
         };
         let store = measured.store_micros_at(at);
-        let local = wall_micros();
+        let local = (self.wall)();
         let offset = i64::try_from(i128::from(local) - i128::from(store)).unwrap_or(i64::MAX);
         let previous = self.local_offset_micros.swap(offset, SeqCst);
         let known = self.offset_known.swap(true, SeqCst);
@@ -308,16 +347,7 @@ impl Clock for StoreClock {
     }
 
     fn interval(&self) -> Now {
-        let Some(measured) = *self.measured.read().expect("store clock lock") else {
-            return Now::exact(SystemClock.now());
-        };
-        let at = Instant::now();
-        let estimate = measured.store_micros_at(at);
-        let doubt = micros(measured.uncertainty_at(at) + self.step_widening(at));
-        Now {
-            earliest: UnixMillis(estimate.saturating_sub(doubt) / 1000),
-            latest: UnixMillis(estimate.saturating_add(doubt).div_ceil(1000)),
-        }
+        self.interval_at(Instant::now())
     }
 
     fn verify(&self) -> Result<(), String> {
@@ -443,11 +473,12 @@ mod tests {
             .finish();
         let clock = StoreClock::new(Duration::from_millis(500), LEASE);
         let sent = ago(100);
+        let at = Instant::now();
         tracing::subscriber::with_default(subscriber, || {
             clock.observe(sent, STORE, sent + Duration::from_millis(1));
-            let before = clock.interval();
+            let before = clock.interval_at(at);
             clock.observe(sent, STORE + 5_000_000, sent + Duration::from_millis(1));
-            let after = clock.interval();
+            let after = clock.interval_at(at);
             assert!(
                 clock.now().0 >= (STORE + 5_000_000) / 1000,
                 "the new estimate"
@@ -476,6 +507,45 @@ mod tests {
         assert!(
             interval.latest.0 - interval.earliest.0 < 1_000,
             "still widened: {interval:?}"
+        );
+    }
+
+    /// The pod's wall clock for [`a_pause_of_the_pod_is_not_a_step`].
+    static WALL: AtomicU64 = AtomicU64::new(0);
+
+    fn test_wall() -> u64 {
+        WALL.load(SeqCst)
+    }
+
+    /// A reading 5 s ahead of the prediction while this pod's own wall
+    /// clock also moved 5 s (its monotonic clock stood still: a paused VM)
+    /// is the pod's pause, not the store's step: measured again, not
+    /// widened, not counted. Two steps in force add up.
+    #[test]
+    fn a_pause_of_the_pod_is_not_a_step_and_steps_add_up() {
+        let mut clock = StoreClock::new(Duration::from_millis(500), LEASE);
+        clock.wall = test_wall;
+        let sent = ago(100);
+        WALL.store(1_000_000_000_000_000, SeqCst);
+        clock.observe(sent, STORE, sent + Duration::from_millis(1));
+        WALL.store(1_000_000_005_000_000, SeqCst);
+        clock.observe(sent, STORE + 5_000_000, sent + Duration::from_millis(1));
+        assert_eq!(clock.steps(), 0);
+        let at = Instant::now();
+        let interval = clock.interval_at(at);
+        assert!(
+            interval.latest.0 - interval.earliest.0 < 1_000,
+            "{interval:?}"
+        );
+
+        // The store steps twice, 5 s each, the wall clock standing.
+        clock.observe(sent, STORE + 10_000_000, sent + Duration::from_millis(1));
+        clock.observe(sent, STORE + 15_000_000, sent + Duration::from_millis(1));
+        assert_eq!(clock.steps(), 2);
+        let widened = clock.interval_at(at);
+        assert!(
+            widened.latest.0 - widened.earliest.0 >= 20_000,
+            "both steps, on both sides: {widened:?}"
         );
     }
 
