@@ -1428,14 +1428,8 @@ async fn the_issues_scenarios_through_the_binary() {
     // 7. An HTTP/2 client that makes no room for its answer has its stream
     // reset after the header timeout (1 s); its connection, kept open and
     // answering PINGs, is closed at its age (2 s, give or take a tenth).
-    let stream = tokio::net::TcpStream::connect(address).await.unwrap();
     let opened = Instant::now();
-    let (mut client, connection) = h2::client::Builder::new()
-        .initial_window_size(0)
-        .handshake::<_, Bytes>(stream)
-        .await
-        .unwrap();
-    let connection = tokio::spawn(connection);
+    let (mut client, connection) = h2_connection(address, 0).await;
     let request = Request::get(format!("http://{address}/big?mib=1"))
         .body(())
         .unwrap();

@@ -487,13 +487,7 @@ async fn an_http2_client_that_makes_no_room_for_its_answer_is_reset() {
         config.header_timeout = Duration::from_millis(500);
     })
     .await;
-    let stream = tokio::net::TcpStream::connect(proxy.address).await.unwrap();
-    let (mut client, connection) = h2::client::Builder::new()
-        .initial_window_size(0)
-        .handshake::<_, Bytes>(stream)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
+    let (mut client, _connection) = h2_connection(proxy.address, 0).await;
     for key in [Some("zero-window"), None] {
         let mut request = Request::post(format!("http://{}/big?mib=1", proxy.address))
             .header("authorization", "Bearer zero-window");
@@ -532,9 +526,7 @@ async fn a_slow_but_steady_http2_reader_gets_its_whole_answer() {
         config.header_timeout = Duration::from_millis(500);
     })
     .await;
-    let stream = tokio::net::TcpStream::connect(proxy.address).await.unwrap();
-    let (mut client, connection) = h2::client::handshake(stream).await.unwrap();
-    tokio::spawn(connection);
+    let (mut client, _connection) = h2_connection(proxy.address, 65_535).await;
     let request = Request::post(format!("http://{}/big?mib=1", proxy.address))
         .header("authorization", "Bearer steady")
         .header("idempotency-key", "steady")
@@ -605,13 +597,7 @@ async fn an_http2_window_of_one_byte_does_not_hold_an_answer() {
         config.header_timeout = Duration::from_millis(500);
     })
     .await;
-    let stream = tokio::net::TcpStream::connect(proxy.address).await.unwrap();
-    let (mut client, connection) = h2::client::Builder::new()
-        .initial_window_size(1)
-        .handshake::<_, Bytes>(stream)
-        .await
-        .unwrap();
-    tokio::spawn(connection);
+    let (mut client, _connection) = h2_connection(proxy.address, 1).await;
     let request = Request::post(format!("http://{}/echo", proxy.address))
         .body(())
         .unwrap();
@@ -648,10 +634,8 @@ async fn an_aged_connection_is_closed_after_the_grace() {
         config.shutdown_grace = Duration::from_secs(1);
     })
     .await;
-    let stream = tokio::net::TcpStream::connect(proxy.address).await.unwrap();
     let opened = Instant::now();
-    let (mut client, connection) = h2::client::handshake(stream).await.unwrap();
-    tokio::spawn(connection);
+    let (mut client, _connection) = h2_connection(proxy.address, 65_535).await;
     let request = Request::get(format!("http://{}/big?mib=64", proxy.address))
         .body(())
         .unwrap();

@@ -442,3 +442,22 @@ pub fn proxy_address(sidecar: &super::sidecar::Sidecar) -> SocketAddr {
 
 /// Where the test upstream counts the connections it accepted.
 pub const CONNECTIONS: &str = "#connections";
+
+/// An HTTP/2 connection (prior knowledge) to `address` granting each
+/// stream `window` bytes, driven in the background: its sender, and the
+/// connection's task (ended when the proxy closes it).
+pub async fn h2_connection(
+    address: SocketAddr,
+    window: u32,
+) -> (
+    h2::client::SendRequest<Bytes>,
+    tokio::task::JoinHandle<Result<(), h2::Error>>,
+) {
+    let stream = tokio::net::TcpStream::connect(address).await.unwrap();
+    let (client, connection) = h2::client::Builder::new()
+        .initial_window_size(window)
+        .handshake::<_, Bytes>(stream)
+        .await
+        .unwrap();
+    (client, tokio::spawn(connection))
+}
