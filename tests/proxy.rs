@@ -1309,7 +1309,6 @@ async fn a_gateway_timeout_is_an_unknown_outcome() {
 /// `a_claim_whose_answer_was_lost_is_given_back_and_the_retry_is_sent`.)
 #[tokio::test]
 async fn the_issues_scenarios_through_the_binary() {
-    use tokio::io::AsyncWriteExt;
     let upstream = upstream().await;
     let data = tempfile::tempdir().unwrap();
     let upstream_url = format!("http://{}", upstream.address);
@@ -1376,28 +1375,8 @@ async fn the_issues_scenarios_through_the_binary() {
 
     // 3. Eight slow 8 MiB bodies from one caller: another's payment goes
     // through.
-    let mut held = Vec::new();
-    for attacker in 0..8 {
-        let mut socket = tokio::net::TcpStream::connect(address).await.unwrap();
-        let head = format!(
-            "POST /echo HTTP/1.1\r\nHost: x\r\nIdempotency-Key: slow-{attacker}\r\n\
-             Authorization: Bearer mallory\r\nContent-Length: {}\r\n\r\n",
-            8 << 20
-        );
-        socket.write_all(head.as_bytes()).await.unwrap();
-        let body = vec![b' '; (8 << 20) - 1];
-        let _ = tokio::time::timeout(Duration::from_secs(5), socket.write_all(&body)).await;
-        held.push(socket);
-    }
-    let payment = send(
-        address,
-        Method::POST,
-        "/echo",
-        Some("payment-1"),
-        Some("Bearer alice"),
-        "{\"amount\":10}",
-    )
-    .await;
+    let (held, _) = slow_bodies(address).await;
+    let payment = payment(address).await;
     assert_eq!(payment.status, StatusCode::OK, "{}", payment.body);
     drop(held);
 

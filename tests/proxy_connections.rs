@@ -16,7 +16,7 @@ use std::{
 };
 
 use bytes::Bytes;
-use http::{Method, Request, StatusCode};
+use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
@@ -209,28 +209,9 @@ async fn connect_and_non_path_targets_are_answered() {
 /// the whole budget and every other keyed request got 503.
 #[tokio::test]
 async fn one_caller_with_slow_bodies_cannot_starve_another() {
-    use tokio::io::AsyncWriteExt;
     let upstream = upstream().await;
     let proxy = proxy_with(&upstream, |config| config.max_request_bytes = 8 << 20).await;
-    let declared = 8 << 20;
-    let mut held = Vec::new();
-    let mut refused = 0;
-    for attacker in 0..8 {
-        let mut socket = tokio::net::TcpStream::connect(proxy.address).await.unwrap();
-        let head = format!(
-            "POST /echo HTTP/1.1\r\nHost: x\r\nIdempotency-Key: slow-{attacker}\r\n\
-             Authorization: Bearer mallory\r\nContent-Type: application/json\r\n\
-             Content-Length: {declared}\r\n\r\n"
-        );
-        socket.write_all(head.as_bytes()).await.unwrap();
-        // All but the last byte; a refused body may be cut off mid-write.
-        let body = vec![b' '; declared - 1];
-        let written = tokio::time::timeout(Duration::from_secs(5), socket.write_all(&body)).await;
-        if !matches!(written, Ok(Ok(()))) {
-            refused += 1;
-        }
-        held.push(socket);
-    }
+    let (held, refused) = slow_bodies(proxy.address).await;
     // Mallory's share (16 MiB) holds two bodies: the other six are refused
     // once the proxy has read past it.
     let overloaded = "dedupd_http_proxy_requests_total{result=\"caller_overloaded\"} 6";
@@ -240,15 +221,7 @@ async fn one_caller_with_slow_bodies_cannot_starve_another() {
     {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let payment = send(
-        proxy.address,
-        Method::POST,
-        "/echo",
-        Some("payment-1"),
-        Some("Bearer alice"),
-        "{\"amount\":10}",
-    )
-    .await;
+    let payment = payment(proxy.address).await;
     assert_eq!(payment.status, StatusCode::OK, "{}", payment.body);
     let text = proxy.metrics.render();
     assert!(

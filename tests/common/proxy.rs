@@ -461,3 +461,43 @@ pub async fn h2_connection(
         .unwrap();
     (client, tokio::spawn(connection))
 }
+
+/// Eight connections from one caller ("mallory"), each sending a keyed
+/// `POST /echo` announcing 8 MiB and all of it but the last byte: the
+/// sockets, held open, and how many writes were cut off (a refused body).
+pub async fn slow_bodies(address: SocketAddr) -> (Vec<tokio::net::TcpStream>, usize) {
+    use tokio::io::AsyncWriteExt;
+    let declared = 8 << 20;
+    let mut held = Vec::new();
+    let mut refused = 0;
+    for attacker in 0..8 {
+        let mut socket = tokio::net::TcpStream::connect(address).await.unwrap();
+        let head = format!(
+            "POST /echo HTTP/1.1\r\nHost: x\r\nIdempotency-Key: slow-{attacker}\r\n\
+             Authorization: Bearer mallory\r\nContent-Type: application/json\r\n\
+             Content-Length: {declared}\r\n\r\n"
+        );
+        socket.write_all(head.as_bytes()).await.unwrap();
+        // All but the last byte; a refused body may be cut off mid-write.
+        let body = vec![b' '; declared - 1];
+        let written = tokio::time::timeout(Duration::from_secs(5), socket.write_all(&body)).await;
+        if !matches!(written, Ok(Ok(()))) {
+            refused += 1;
+        }
+        held.push(socket);
+    }
+    (held, refused)
+}
+
+/// Another caller's ("alice") keyed payment, `POST /echo`.
+pub async fn payment(address: SocketAddr) -> Answer {
+    send(
+        address,
+        Method::POST,
+        "/echo",
+        Some("payment-1"),
+        Some("Bearer alice"),
+        "{\"amount\":10}",
+    )
+    .await
+}
