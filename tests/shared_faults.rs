@@ -685,3 +685,115 @@ async fn fencing_tokens_never_go_back_when_the_sequence_does() {
     drop(sidecar);
     space.remove().await;
 }
+
+/// Issue 40 item 5, through the binary: the proxy's claim reaches
+/// PostgreSQL but its answer is lost, so the client is told 503 and the
+/// request is never forwarded. The claim is given back in the background:
+/// the client's retry is forwarded once the network is back, never 409
+/// for the lease and then 502 "outcome unknown" for a day. Then the same
+/// with the claim itself held on a stuck connection while new ones work:
+/// it lands after the give-back first looked and found nothing, and is
+/// given back all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_claim_whose_answer_was_lost_is_given_back() {
+    use common::proxy::{post, proxy_address, replayed, upstream};
+    use http::StatusCode;
+
+    let Some(space) = Space::postgres() else {
+        return;
+    };
+    let Space::Postgres(schema) = &space else {
+        unreachable!()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let forwarder = Forwarder::start(space.port()).await;
+    let upstream = upstream().await;
+    let upstream_url = format!("http://{}", upstream.address);
+    // The namespace is in the claim's statement (a parameter) and in no
+    // statement before it: the forwarder's marker for "the claim".
+    const NAMESPACE: &str = "orphaned-claims";
+    let mut flags = space.flags_via(&space.url_via(forwarder.port));
+    flags.extend(strings(&[
+        "--store-timeout",
+        "1s",
+        "--http-proxy-listen",
+        "127.0.0.1:0",
+        "--http-proxy-upstream",
+        &upstream_url,
+        "--http-proxy-namespace",
+        NAMESPACE,
+    ]));
+    let sidecar = serving(&[], dir.path(), &flags).await;
+    let address = proxy_address(&sidecar);
+    // The lease (--default-lease-ttl, 30 s) outlasts every wait below: a
+    // retry that succeeds was given the key back, not the lease's end.
+    let retried_until_forwarded = |key: &'static str| async move {
+        let began = Instant::now();
+        loop {
+            let answer = post(address, "/orders", key, "{}").await;
+            if answer.status == StatusCode::CREATED {
+                assert!(!replayed(&answer), "{key}: {answer:?}");
+                return began.elapsed();
+            }
+            assert!(
+                matches!(
+                    answer.status,
+                    StatusCode::CONFLICT | StatusCode::SERVICE_UNAVAILABLE
+                ),
+                "{key}: {answer:?}"
+            );
+            assert!(
+                began.elapsed() < Duration::from_secs(15),
+                "{key}: still {} after 15 s; the lost claim was not given back",
+                answer.status
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+
+    // 1. Applied, its answer lost.
+    forwarder.lose_answer_to(NAMESPACE.as_bytes());
+    let lost = post(address, "/orders", "lost-answer", "{}").await;
+    assert!(forwarder.sprung(), "the claim never went by");
+    assert_eq!(lost.status, StatusCode::SERVICE_UNAVAILABLE, "{lost:?}");
+    assert_eq!(upstream.calls.get("/orders"), 0, "nothing was forwarded");
+    assert_eq!(postgres::rows(schema).await, 1, "the claim was applied");
+    forwarder.restore();
+    let took = retried_until_forwarded("lost-answer").await;
+    assert_eq!(upstream.calls.get("/orders"), 1);
+
+    // 2. Held on a stuck connection; new connections work, so the
+    //    give-back's first lookups find nothing; then it lands.
+    forwarder.hold_write(NAMESPACE.as_bytes());
+    let held = post(address, "/orders", "held-claim", "{}").await;
+    assert!(forwarder.sprung(), "the claim never went by");
+    assert_eq!(held.status, StatusCode::SERVICE_UNAVAILABLE, "{held:?}");
+    forwarder.restore_new_connections();
+    let since = Instant::now();
+    health_by(sidecar.addr, SERVING, since, Duration::from_secs(20)).await;
+    // Room for the give-back to look (every second at most) and find
+    // nothing; the claim is still held.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        postgres::rows(schema).await,
+        1,
+        "the held claim landed early"
+    );
+    forwarder.restore();
+    let landed = Instant::now();
+    while postgres::rows(schema).await < 2 {
+        assert!(
+            landed.elapsed() < Duration::from_secs(10),
+            "the held claim never landed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let took_held = retried_until_forwarded("held-claim").await;
+    assert_eq!(upstream.calls.get("/orders"), 2, "each forwarded once");
+    eprintln!(
+        "lost claims given back: forwarded {took:?} after the network returned; \
+         {took_held:?} after the held claim landed"
+    );
+    drop(sidecar);
+    space.remove().await;
+}

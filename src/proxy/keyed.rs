@@ -278,9 +278,11 @@ impl<S: Store> Proxy<S> {
     /// The store did not answer `claim`, which it may have applied all the
     /// same (its answer lost on the way). Nothing was forwarded, so a claim
     /// stored under this attempt's request ID is given back in the
-    /// background once the store answers: looked up, and released with its
-    /// own token (a release needs no live lease, only that nobody claimed
-    /// since) — left alone, the client's retry found the key held (409),
+    /// background once the store answers: looked up — again and again for
+    /// the lease or [`ORPHAN_PATIENCE`] while it is not there, as a write
+    /// stuck on its way can land after the first look — and released with
+    /// its own token (a release needs no live lease, only that nobody
+    /// claimed since) — left alone, the client's retry found the key held (409),
     /// then, once the lease ended, a recovered claim it had to call
     /// "outcome unknown". Only a claim of this attempt's request ID is
     /// touched, and nothing is ever claimed here; one that *recovered* an
@@ -301,6 +303,7 @@ impl<S: Store> Proxy<S> {
                 let _slot = slot;
                 let give_up = Instant::now() + claim.lease_ttl.max(ORPHAN_PATIENCE);
                 let mut pause = Duration::from_millis(100);
+                let mut looked = false;
                 while Instant::now() + pause < give_up {
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_secs(1));
@@ -315,12 +318,29 @@ impl<S: Store> Proxy<S> {
                             return;
                         }
                     };
-                    let Some(record) = record.filter(|record| {
-                        record.state == RecordState::Claimed
-                            && record.request_id == claim.request_id
-                    }) else {
-                        // Never stored, or another attempt's, or settled.
-                        return;
+                    let record = match record {
+                        Some(record)
+                            if record.state == RecordState::Claimed
+                                && record.request_id == claim.request_id =>
+                        {
+                            record
+                        }
+                        // Settled: a late claim of ours would find it so
+                        // and change nothing.
+                        Some(record) if record.state == RecordState::Committed => return,
+                        // Not stored (yet), released, or another attempt's
+                        // claim: ours may still be on its way (a stuck
+                        // connection's bytes, a retransmitted segment) and
+                        // land later, so it is looked for until patience
+                        // runs out — or the proxy stops, not to hold its
+                        // shutdown for a claim that most likely never was.
+                        _ => {
+                            looked = true;
+                            if proxy.tasks.is_closed() {
+                                return;
+                            }
+                            continue;
+                        }
                     };
                     let (key, token) = (claim.key.clone(), record.lease_token);
                     if record.recovered {
@@ -338,11 +358,13 @@ impl<S: Store> Proxy<S> {
                     }
                     return;
                 }
-                tracing::warn!(
-                    "the store did not answer for as long as a claim whose answer was lost is \
-                     looked for: if it holds one, its retry ends as a recovered claim (outcome \
-                     unknown)"
-                );
+                if !looked {
+                    tracing::warn!(
+                        "the store did not answer for as long as a claim whose answer was lost \
+                         is looked for: if it holds one, its retry ends as a recovered claim \
+                         (outcome unknown)"
+                    );
+                }
             }
             .in_current_span(),
         );

@@ -1,10 +1,10 @@
-//! A TCP forwarder that makes a real server go away and come back, or go
-//! silent.
+//! A TCP forwarder that makes a real server go away and come back, go
+//! silent, or lose the answer to one chosen write.
 
 use std::{
     sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc, Mutex,
     },
     time::Duration,
 };
@@ -15,16 +15,51 @@ use tokio::{
     sync::watch,
 };
 
+/// What is held back, for whom (a connection's number says how old it is).
+#[derive(Clone, Copy, Default)]
+struct Silence {
+    /// Nothing is relayed, and new connections are not even made.
+    everything: bool,
+    /// No answer from the server reaches any client.
+    answers: bool,
+    /// Connections numbered below this stay silent after a partial
+    /// restore: stuck links, while new ones work.
+    older_than: u64,
+}
+
+impl Silence {
+    fn holds(&self, connection: u64, toward_client: bool) -> bool {
+        self.everything || (toward_client && self.answers) || connection < self.older_than
+    }
+}
+
+/// What the forwarder does when a client first sends a chunk containing
+/// the armed marker.
+#[derive(Clone, Copy)]
+enum Trap {
+    /// The chunk reaches the server; its answer, and everything after,
+    /// does not: the write was applied, its answer lost.
+    LoseAnswer,
+    /// The chunk itself is held with everything else: the write is still
+    /// on its way, and lands when the forwarder is restored.
+    HoldWrite,
+}
+
 /// A loopback TCP forwarder to one of the machine's servers that a test can
 /// cut (every connection dropped, new ones closed at once), silence (every
 /// connection stays open and new ones are accepted, but no byte is relayed:
 /// a partition, or a primary gone without a reset) and restore: the server
-/// "goes away" and "comes back" without touching the real one.
+/// "goes away" and "comes back" without touching the real one. Armed with
+/// a marker, it goes silent at one chosen write, before or after relaying
+/// it; restored for new connections only, the old ones keep their bytes.
 pub struct Forwarder {
     pub port: u16,
     open: Arc<AtomicBool>,
     generation: Arc<watch::Sender<u64>>,
-    silent: Arc<watch::Sender<bool>>,
+    silence: Arc<watch::Sender<Silence>>,
+    connections: Arc<AtomicU64>,
+    trap: Arc<Mutex<Option<(Vec<u8>, Trap)>>>,
+    sprung: Arc<AtomicBool>,
     _task: tokio::task::JoinHandle<()>,
 }
 
@@ -35,13 +70,18 @@ impl Forwarder {
         let port = listener.local_addr().unwrap().port();
         let open = Arc::new(AtomicBool::new(true));
         let generation = Arc::new(watch::Sender::new(0u64));
-        let silent = Arc::new(watch::Sender::new(false));
+        let silence = Arc::new(watch::Sender::new(Silence::default()));
+        let connections = Arc::new(AtomicU64::new(0));
+        let trap = Arc::new(Mutex::new(None));
+        let sprung = Arc::new(AtomicBool::new(false));
         let task = {
-            let (open, generation, silent) = (
+            let (open, generation, silence, connections) = (
                 Arc::clone(&open),
                 Arc::clone(&generation),
-                Arc::clone(&silent),
+                Arc::clone(&silence),
+                Arc::clone(&connections),
             );
+            let (trap, sprung) = (Arc::clone(&trap), Arc::clone(&sprung));
             tokio::spawn(async move {
                 loop {
                     let Ok((inbound, _)) = listener.accept().await else {
@@ -50,12 +90,18 @@ impl Forwarder {
                     if !open.load(Ordering::SeqCst) {
                         continue; // dropped: the connection closes at once
                     }
+                    let connection = connections.fetch_add(1, Ordering::SeqCst);
                     let mut cut = generation.subscribe();
-                    let silent = Arc::clone(&silent);
+                    let silence = Arc::clone(&silence);
+                    let trap = Springs {
+                        trap: Arc::clone(&trap),
+                        sprung: Arc::clone(&sprung),
+                        silence: Arc::clone(&silence),
+                    };
                     tokio::spawn(async move {
                         // While silent, not even the connection to the
                         // server is made: the client's handshake hangs.
-                        while *silent.borrow() {
+                        while silence.borrow().holds(connection, false) {
                             tokio::time::sleep(Duration::from_millis(5)).await;
                         }
                         let Ok(outbound) =
@@ -65,9 +111,21 @@ impl Forwarder {
                         };
                         let (from_client, to_client) = inbound.into_split();
                         let (from_server, to_server) = outbound.into_split();
+                        let up = Pump {
+                            connection,
+                            toward_client: false,
+                            silence: silence.subscribe(),
+                            trap: Some(trap),
+                        };
+                        let down = Pump {
+                            connection,
+                            toward_client: true,
+                            silence: silence.subscribe(),
+                            trap: None,
+                        };
                         tokio::select! {
-                            () = pump(from_client, to_server, silent.subscribe()) => {}
-                            () = pump(from_server, to_client, silent.subscribe()) => {}
+                            () = up.run(from_client, to_server) => {}
+                            () = down.run(from_server, to_client) => {}
                             _ = cut.changed() => {}
                         }
                     });
@@ -78,7 +136,10 @@ impl Forwarder {
             port,
             open,
             generation,
-            silent,
+            silence,
+            connections,
+            trap,
+            sprung,
             _task: task,
         }
     }
@@ -91,40 +152,128 @@ impl Forwarder {
 
     /// The network goes silent: nothing is relayed, nothing is closed.
     pub fn silence(&self) {
-        self.silent.send_replace(true);
+        self.silence
+            .send_modify(|silence| silence.everything = true);
     }
 
-    /// The server is back (and the network speaks again).
+    /// The first chunk a client sends containing `marker` reaches the
+    /// server, and then the network goes silent: that write is applied and
+    /// its answer (with everything after) lost.
+    pub fn lose_answer_to(&self, marker: &[u8]) {
+        self.arm(marker, Trap::LoseAnswer);
+    }
+
+    /// The first chunk a client sends containing `marker` is held, and the
+    /// network goes silent: that write lands only at [`Forwarder::restore`].
+    pub fn hold_write(&self, marker: &[u8]) {
+        self.arm(marker, Trap::HoldWrite);
+    }
+
+    fn arm(&self, marker: &[u8], trap: Trap) {
+        self.sprung.store(false, Ordering::SeqCst);
+        *self.trap.lock().unwrap() = Some((marker.to_vec(), trap));
+    }
+
+    /// Whether an armed marker has gone by.
+    pub fn sprung(&self) -> bool {
+        self.sprung.load(Ordering::SeqCst)
+    }
+
+    /// New connections work again; the ones open until now stay silent,
+    /// holding what they were sent (links stuck in a partition).
+    pub fn restore_new_connections(&self) {
+        let made = self.connections.load(Ordering::SeqCst);
+        self.silence.send_replace(Silence {
+            older_than: made,
+            ..Silence::default()
+        });
+    }
+
+    /// The server is back (and the network speaks again), held bytes and
+    /// all.
     pub fn restore(&self) {
         self.open.store(true, Ordering::SeqCst);
-        self.silent.send_replace(false);
+        self.silence.send_replace(Silence::default());
     }
 }
 
-/// Copies one direction, holding every byte while the forwarder is silent
-/// (checked every few milliseconds: simple, and plenty for a test).
-async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, silent: watch::Receiver<bool>) {
-    let is_silent = || *silent.borrow();
-    let mut buffer = vec![0u8; 64 << 10];
-    loop {
-        let read = loop {
-            if is_silent() {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-                continue;
-            }
-            // Silenced while waiting: stop reading (the sender's kernel
-            // buffers fill, as on a dead link). A read is cancel-safe.
-            match tokio::time::timeout(Duration::from_millis(20), from.read(&mut buffer)).await {
-                Ok(read) => break read,
-                Err(_) => continue,
-            }
-        };
-        let Ok(read @ 1..) = read else { return };
-        while is_silent() {
-            tokio::time::sleep(Duration::from_millis(5)).await;
+/// An armed marker, shared by every connection: the first to see it
+/// springs it.
+struct Springs {
+    trap: Arc<Mutex<Option<(Vec<u8>, Trap)>>>,
+    sprung: Arc<AtomicBool>,
+    silence: Arc<watch::Sender<Silence>>,
+}
+
+impl Springs {
+    /// The trap `chunk` springs, if any; answers are silenced at once
+    /// (before the chunk is relayed, so no answer can slip by), and the
+    /// whole network too for a held write.
+    fn spring(&self, chunk: &[u8]) -> Option<Trap> {
+        let mut armed = self.trap.lock().unwrap();
+        let (marker, _) = armed.as_ref()?;
+        if !chunk.windows(marker.len()).any(|window| window == marker) {
+            return None;
         }
-        if to.write_all(&buffer[..read]).await.is_err() {
-            return;
+        let (_, trap) = armed.take()?;
+        self.silence.send_modify(|silence| match trap {
+            Trap::LoseAnswer => silence.answers = true,
+            Trap::HoldWrite => silence.everything = true,
+        });
+        self.sprung.store(true, Ordering::SeqCst);
+        Some(trap)
+    }
+
+    fn silence_everything(&self) {
+        self.silence
+            .send_modify(|silence| silence.everything = true);
+    }
+}
+
+/// Copies one direction of one connection, holding every byte while the
+/// forwarder says so (checked every few milliseconds: simple, and plenty
+/// for a test).
+struct Pump {
+    connection: u64,
+    toward_client: bool,
+    silence: watch::Receiver<Silence>,
+    trap: Option<Springs>,
+}
+
+impl Pump {
+    async fn run(self, mut from: OwnedReadHalf, mut to: OwnedWriteHalf) {
+        let held = || {
+            self.silence
+                .borrow()
+                .holds(self.connection, self.toward_client)
+        };
+        let mut buffer = vec![0u8; 64 << 10];
+        loop {
+            let read = loop {
+                if held() {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    continue;
+                }
+                // Silenced while waiting: stop reading (the sender's kernel
+                // buffers fill, as on a dead link). A read is cancel-safe.
+                match tokio::time::timeout(Duration::from_millis(20), from.read(&mut buffer)).await
+                {
+                    Ok(read) => break read,
+                    Err(_) => continue,
+                }
+            };
+            let Ok(read @ 1..) = read else { return };
+            let chunk = &buffer[..read];
+            let sprung = self.trap.as_ref().and_then(|trap| trap.spring(chunk));
+            while held() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            if to.write_all(chunk).await.is_err() {
+                return;
+            }
+            if let (Some(Trap::LoseAnswer), Some(trap)) = (sprung, &self.trap) {
+                trap.silence_everything();
+            }
         }
     }
 }

@@ -310,6 +310,7 @@ pub async fn proxy_on<S: Store>(
     }
 }
 
+#[derive(Debug)]
 pub struct Answer {
     pub status: StatusCode,
     pub headers: http::HeaderMap,
