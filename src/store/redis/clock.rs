@@ -1,0 +1,132 @@
+//! The store's clock: Redis's `TIME`, on a cluster from one primary every
+//! sidecar agrees on (with the same fallbacks for all).
+
+use redis::{
+    cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr},
+    FromRedisValue,
+};
+
+use super::RedisStore;
+use crate::{
+    error::Error,
+    time_policy::{ClockReading, TimeSource},
+};
+
+impl TimeSource for RedisStore {
+    async fn read_clock(&self) -> Result<ClockReading, Error> {
+        // On a cluster, the same node's clock (slot 0's primary) while it
+        // serves, so readings do not jump between nodes' clocks; while it
+        // does not (its replica not promoted yet, or none), the primary of
+        // slot 8192, then of slot 16383: the same fallback for every
+        // sidecar, so they keep reading one clock.
+        let mut unanswered = None;
+        for slot in [0, 8192, 16383] {
+            let primary = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
+                slot,
+                SlotAddr::Master,
+            )));
+            match self.time_from(primary).await {
+                Err(Error::Unavailable(error)) if self.is_cluster() => {
+                    tracing::debug!(%error, slot, "the primary of a slot did not tell the time");
+                    unanswered = Some(error);
+                }
+                read => return read,
+            }
+        }
+        Err(Error::Unavailable(unanswered.unwrap_or_default()))
+    }
+}
+
+impl RedisStore {
+    /// `TIME` of the node `node` routes to (on one primary, its).
+    async fn time_from(&self, node: RoutingInfo) -> Result<ClockReading, Error> {
+        let sent = std::time::Instant::now();
+        let answer = self
+            .call(|mut connection| {
+                let node = node.clone();
+                async move { connection.route(redis::cmd("TIME"), node).await }
+            })
+            .await?;
+        let (seconds, micros) = <(u64, u64)>::from_redis_value(answer)
+            .map_err(|error| Error::Store(format!("Redis's TIME: {error}")))?;
+        Ok(ClockReading {
+            sent,
+            store_micros: seconds.saturating_mul(1_000_000).saturating_add(micros),
+            received: std::time::Instant::now(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::store::redis::tests::{cluster_store, ON_THE_CLUSTER};
+
+    /// While slot 0's primary does not answer, the cluster's time comes
+    /// from another primary.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cluster_tells_the_time_while_slot_0s_primary_is_silent() {
+        let Some(url) = dedupd_testkit::services::require_redis_cluster() else {
+            return;
+        };
+        let _alone = ON_THE_CLUSTER.lock().await;
+        let store = cluster_store(url, Duration::from_millis(500), 0);
+        let mut inspect = store.inspection_connection();
+        store
+            .read_clock()
+            .await
+            .expect("slot 0's primary tells the time");
+        let slot_0 = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
+            0,
+            SlotAddr::Master,
+        )));
+        // Its clients paused (the cluster bus is not a client: no
+        // failover) for far longer than the reading may take (its store
+        // timeout: 500 ms), so a slow machine cannot mistake the paused
+        // node's late answer for another's. (A pause of ALL cannot be lifted
+        // early: CLIENT UNPAUSE waits with the rest.)
+        let pause = Duration::from_secs(6);
+        inspect
+            .route(
+                redis::cmd("CLIENT")
+                    .arg("PAUSE")
+                    .arg(pause.as_millis() as u64)
+                    .arg("ALL")
+                    .clone(),
+                slot_0.clone(),
+            )
+            .await
+            .unwrap();
+        let asked = std::time::Instant::now();
+        let reading = store.read_clock().await;
+        let waited = asked.elapsed();
+        let wall = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros() as u64;
+        // The next test finds the node answering again.
+        let _ = inspect
+            .route(redis::cmd("CLIENT").arg("UNPAUSE").clone(), slot_0.clone())
+            .await;
+        while inspect
+            .route(redis::cmd("PING").clone(), slot_0.clone())
+            .await
+            .is_err()
+        {
+            assert!(asked.elapsed() < pause * 3, "slot 0's primary stays paused");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let reading = reading.expect("another primary told the time");
+        assert!(
+            waited < pause - Duration::from_secs(1),
+            "answered after {waited:?}: by the paused node"
+        );
+        assert!(
+            reading.store_micros.abs_diff(wall) < 5_000_000,
+            "{} is not this machine's time ({wall})",
+            reading.store_micros
+        );
+    }
+}
