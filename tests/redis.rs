@@ -450,3 +450,62 @@ async fn a_redis_at_its_maxmemory_is_full() {
         .await
         .unwrap();
 }
+
+/// Issue 41 item 6: on one primary too, the deletion feed must prove it
+/// hears what is published where the writes go. The feed subscribed on a
+/// server; the name then leads to another (a failover behind DNS or a
+/// fixed address), and the store's connections reconnect there while the
+/// subscription stays: every Forget would be published where nobody
+/// listens, and the local tier answer DUPLICATE until its max age. The
+/// feed's probes are not heard back, and it ends (the tier clears and
+/// subscribes again) within a few heartbeats.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deletion_feed_left_on_an_old_primary_ends() {
+    use dedupd::store::shared::DeletionFeed;
+
+    if !redis::available() || redis::on_cluster() {
+        return;
+    }
+    let other = match dedupd_testkit::services::start_redis(&[]) {
+        Ok(Some(other)) => other,
+        Ok(None) => {
+            dedupd_testkit::skip::skip_for_store("no redis-server to start a second Redis");
+            return;
+        }
+        Err(error) => panic!("cannot start a Redis: {error}"),
+    };
+    let prefix = redis::fresh_prefix();
+    let forwarder = Forwarder::start(redis::port()).await;
+    let clock = dedupd::clock::ManualClock::new(START);
+    let store = RedisStore::new(
+        &dedupd::store::redis::RedisConfig {
+            url: redis::url_via(forwarder.port),
+            timeout: Duration::from_secs(1),
+            ..redis::config(&prefix)
+        },
+        Arc::new(clock) as Arc<dyn Clock>,
+    )
+    .unwrap();
+    let mut feed = store.subscribe().await.expect("subscribed");
+    assert_eq!(forwarder.connections(), 1, "the subscription came first");
+    // All on one server: the feed lives (its probes are heard).
+    assert!(
+        tokio::time::timeout(Duration::from_secs(3), feed.recv())
+            .await
+            .is_err(),
+        "the feed ended (or heard a deletion) while everything was on one server"
+    );
+    forwarder.switch_to(other.port);
+    forwarder.drop_connections_from(1);
+    let moved = std::time::Instant::now();
+    let ended = tokio::time::timeout(Duration::from_secs(15), feed.recv()).await;
+    assert!(
+        matches!(ended, Ok(None)),
+        "the feed still stands on the old primary 15 s after the writes moved: {ended:?}"
+    );
+    eprintln!(
+        "the feed ended {:?} after the writes moved",
+        moved.elapsed()
+    );
+    redis::drop_prefix(&prefix).await;
+}

@@ -600,12 +600,15 @@ async fn store_replicas_waits_for_a_real_replica() {
     // for a loaded machine.
     assert!(took <= Duration::from_secs(8), "UNAVAILABLE after {took:?}");
     assert!(refused.message().contains("replicas"), "{refused:?}");
-    // An answer that only reads waits too: a DUPLICATE of a commit is not
-    // given while no replica confirms what the primary holds (a failover
-    // could lose it, and the event be processed again).
+    // An answer that only reads waits too: the claim just refused stands
+    // on the primary, unreplicated; IN_PROGRESS is not answered for it
+    // while no replica confirms what the primary holds (a failover would
+    // lose it, and the event be processed twice at once). Nor was it
+    // learned by this pod's local tier, which learns only what its
+    // replication wait confirmed.
     let started = Instant::now();
     let refused = client
-        .claim(claim_for("evt-0", 30, 3600))
+        .claim(claim_for("unreplicated", 30, 3600))
         .await
         .expect_err("a read is not answered past the replicas either");
     assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
@@ -796,4 +799,103 @@ async fn a_proxy_claim_whose_answer_was_lost_is_given_back() {
     );
     drop(sidecar);
     space.remove().await;
+}
+
+/// Waits until the Redis at `url` says its link to its primary is up.
+async fn linked_up(url: &str) {
+    let linked = Instant::now();
+    while !redis_command(url, &["INFO", "replication"])
+        .await
+        .contains("master_link_status:up")
+    {
+        assert!(
+            linked.elapsed() < Duration::from_secs(15),
+            "{url} never linked up with its primary"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Issue 41 item 3: the replication wait must run where the write did. A
+/// primary (X) with a replica (Y) that has one of its own (Z); the pod
+/// reaches Redis through a name (a forwarder) that moves to Y when Y is
+/// promoted, while the pod's data connections stay on X. The claim is
+/// written on X, which no longer has a replica; a fence on a connection
+/// made after the move reached Y, whose `WAIT 1` Z satisfies: the claim
+/// was acknowledged though a failover to Y had already lost it, and a pod
+/// on Y was granted the same key. Each call's witness must be found where
+/// the fence runs: the claim is UNAVAILABLE (not acknowledged), and its
+/// retry too (nothing answered from the pod's own memory).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replication_wait_on_another_server_acknowledges_nothing() {
+    let Some(x) = throwaway_redis(&[]) else {
+        return;
+    };
+    let x_port = x.port.to_string();
+    let Some(y) = throwaway_redis(&["--replicaof", "127.0.0.1", &x_port]) else {
+        return;
+    };
+    let y_port = y.port.to_string();
+    let Some(z) = throwaway_redis(&["--replicaof", "127.0.0.1", &y_port]) else {
+        return;
+    };
+    linked_up(&y.url).await;
+    linked_up(&z.url).await;
+    let forwarder = Forwarder::start(x.port).await;
+    let pod = |url: &str| {
+        strings(&[
+            "--store",
+            "redis",
+            "--store-url",
+            url,
+            "--store-schema",
+            "moved",
+            "--store-replicas",
+            "1",
+            "--store-timeout",
+            "2s",
+            // One data connection (made at start, by the clock's readings)
+            // and one fence connection (made at the first fence).
+            "--store-pool-size",
+            "1",
+        ])
+    };
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = serving(
+        &[],
+        dir_a.path(),
+        &pod(&format!("redis://127.0.0.1:{}", forwarder.port)),
+    )
+    .await;
+    let mut client_a = a.client().await;
+
+    // Y is promoted (Z still follows it); the name now leads to Y.
+    let promoted = redis_command(&y.url, &["REPLICAOF", "NO", "ONE"]).await;
+    assert!(promoted.eq_ignore_ascii_case("ok"), "{promoted}");
+    forwarder.switch_to(y.port);
+
+    let mut request = claim_for("moved-key", 30, 3600);
+    request.request_id = "attempt-1".into();
+    let on_a = client_a.claim(request.clone()).await;
+    let on_x = redis_command(&x.url, &["EXISTS", "moved:r:default/moved-key"]).await;
+    let b = serving(&[], dir_b.path(), &pod(&y.url)).await;
+    let mut client_b = b.client().await;
+    let on_b = claim(&mut client_b, claim_for("moved-key", 30, 3600)).await;
+    assert_eq!(
+        outcome(&on_b),
+        pb::ClaimOutcome::Claimed,
+        "Y never had the claim"
+    );
+    assert_eq!(on_x, "1", "the claim was written on X");
+    let refused = on_a.expect_err(
+        "a claim whose replication wait ran on another server was acknowledged, and a pod \
+         on the promoted server was granted the same key",
+    );
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    let retried = client_a.claim(request).await;
+    assert_eq!(
+        retried.map_err(|status| status.code()).err(),
+        Some(tonic::Code::Unavailable),
+        "the retry was answered though still not replicated"
+    );
 }

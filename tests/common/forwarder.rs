@@ -3,7 +3,7 @@
 
 use std::{
     sync::{
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering},
         Arc, Mutex,
     },
     time::Duration,
@@ -45,6 +45,9 @@ enum Trap {
     HoldWrite,
 }
 
+/// The marker a client's write is watched for, and what then happens.
+type Armed = Arc<Mutex<Option<(Vec<u8>, Trap)>>>;
+
 /// A loopback TCP forwarder to one of the machine's servers that a test can
 /// cut (every connection dropped, new ones closed at once), silence (every
 /// connection stays open and new ones are accepted, but no byte is relayed:
@@ -54,11 +57,14 @@ enum Trap {
 /// it; restored for new connections only, the old ones keep their bytes.
 pub struct Forwarder {
     pub port: u16,
+    /// Where new connections go.
+    target: Arc<AtomicU16>,
     open: Arc<AtomicBool>,
-    generation: Arc<watch::Sender<u64>>,
+    /// Connections numbered from this one are dropped (bumped by each cut).
+    cut: Arc<watch::Sender<u64>>,
     silence: Arc<watch::Sender<Silence>>,
     connections: Arc<AtomicU64>,
-    trap: Arc<Mutex<Option<(Vec<u8>, Trap)>>>,
+    trap: Armed,
     sprung: Arc<AtomicBool>,
     _task: tokio::task::JoinHandle<()>,
 }
@@ -68,16 +74,18 @@ impl Forwarder {
     pub async fn start(target: u16) -> Forwarder {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
+        let target = Arc::new(AtomicU16::new(target));
         let open = Arc::new(AtomicBool::new(true));
-        let generation = Arc::new(watch::Sender::new(0u64));
+        let cut = Arc::new(watch::Sender::new(0u64));
         let silence = Arc::new(watch::Sender::new(Silence::default()));
         let connections = Arc::new(AtomicU64::new(0));
         let trap = Arc::new(Mutex::new(None));
         let sprung = Arc::new(AtomicBool::new(false));
         let task = {
-            let (open, generation, silence, connections) = (
+            let (target, open, cut, silence, connections) = (
+                Arc::clone(&target),
                 Arc::clone(&open),
-                Arc::clone(&generation),
+                Arc::clone(&cut),
                 Arc::clone(&silence),
                 Arc::clone(&connections),
             );
@@ -91,7 +99,8 @@ impl Forwarder {
                         continue; // dropped: the connection closes at once
                     }
                     let connection = connections.fetch_add(1, Ordering::SeqCst);
-                    let mut cut = generation.subscribe();
+                    let target = target.load(Ordering::SeqCst);
+                    let mut cut = cut.subscribe();
                     let silence = Arc::clone(&silence);
                     let trap = Springs {
                         trap: Arc::clone(&trap),
@@ -126,7 +135,14 @@ impl Forwarder {
                         tokio::select! {
                             () = up.run(from_client, to_server) => {}
                             () = down.run(from_server, to_client) => {}
-                            _ = cut.changed() => {}
+                            () = async {
+                                while cut.changed().await.is_ok() {
+                                    if connection >= *cut.borrow() {
+                                        return;
+                                    }
+                                }
+                                std::future::pending::<()>().await;
+                            } => {}
                         }
                     });
                 }
@@ -134,8 +150,9 @@ impl Forwarder {
         };
         Forwarder {
             port,
+            target,
             open,
-            generation,
+            cut,
             silence,
             connections,
             trap,
@@ -147,7 +164,25 @@ impl Forwarder {
     /// The server goes away: live connections drop, new ones are refused.
     pub fn cut(&self) {
         self.open.store(false, Ordering::SeqCst);
-        self.generation.send_modify(|generation| *generation += 1);
+        self.cut.send_replace(0);
+    }
+
+    /// How many connections were made so far (they are numbered from 0 in
+    /// the order they came).
+    pub fn connections(&self) -> u64 {
+        self.connections.load(Ordering::SeqCst)
+    }
+
+    /// Drops the connections numbered `from` and after (the server closes
+    /// them, as a restart would); older ones, and new ones, go on.
+    pub fn drop_connections_from(&self, from: u64) {
+        self.cut.send_replace(from);
+    }
+
+    /// New connections go to `127.0.0.1:target` instead (a name that now
+    /// resolves to another server); open ones stay where they are.
+    pub fn switch_to(&self, target: u16) {
+        self.target.store(target, Ordering::SeqCst);
     }
 
     /// The network goes silent: nothing is relayed, nothing is closed.
@@ -200,7 +235,7 @@ impl Forwarder {
 /// An armed marker, shared by every connection: the first to see it
 /// springs it.
 struct Springs {
-    trap: Arc<Mutex<Option<(Vec<u8>, Trap)>>>,
+    trap: Armed,
     sprung: Arc<AtomicBool>,
     silence: Arc<watch::Sender<Silence>>,
 }

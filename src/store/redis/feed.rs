@@ -1,7 +1,9 @@
 //! The deletion feed: the script that deletes publishes on
 //! `<prefix>:deleted`; each sidecar subscribes (on a cluster, on one seed
 //! node, the next after a loss) and hands the deleted keys to its local
-//! tier; on a cluster, probes find the notices the cluster bus dropped.
+//! tier; probes, published where the writes go, find notices that stopped
+//! arriving (a cluster bus's dropped ones, a subscription left on an old
+//! primary).
 
 use std::{sync::atomic::Ordering::Relaxed, time::Duration};
 
@@ -34,24 +36,22 @@ impl DeletionFeed for RedisStore {
             .map_err(|_| Error::Unavailable("Redis did not answer the subscription".into()))?
             .map_err(redis_error);
         self.inner.reachability.observe(subscribed)?;
-        // On a cluster a notice published on another primary reaches this
-        // node over the cluster bus, which drops what it cannot deliver
-        // while a link is down — silently. So every heartbeat also
-        // publishes a probe on every primary, on a channel of this
-        // subscription's own; a probe not heard back from every primary
-        // within two heartbeats means notices may have been lost, and the
-        // feed ends (the local tier clears and resubscribes).
-        let probe_channel = if self.is_cluster() {
-            let channel = format!("{}:probe:{:016x}", self.inner.prefix, rand::random::<u64>());
-            let subscribed = tokio::time::timeout(self.inner.timeout, pubsub.subscribe(&channel))
-                .await
-                .map_err(|_| Error::Unavailable("Redis did not answer the subscription".into()))?
-                .map_err(redis_error);
-            self.inner.reachability.observe(subscribed)?;
-            Some(channel)
-        } else {
-            None
-        };
+        // Notices can stop arriving without a word. On a cluster, one
+        // published on another primary reaches this node over the cluster
+        // bus, which drops what it cannot deliver while a link is down. On
+        // one primary, after a failover behind a name or address, this
+        // subscription can stay on the old server while the writes (and
+        // their notices) go to the promoted one. So every heartbeat also
+        // publishes a probe where the writes go — on every primary — on a
+        // channel of this subscription's own; a probe not heard back from
+        // every primary within two heartbeats means notices may have been
+        // lost, and the feed ends (the local tier clears and resubscribes).
+        let probe_channel = format!("{}:probe:{:016x}", self.inner.prefix, rand::random::<u64>());
+        let subscribed = tokio::time::timeout(self.inner.timeout, pubsub.subscribe(&probe_channel))
+            .await
+            .map_err(|_| Error::Unavailable("Redis did not answer the subscription".into()))?
+            .map_err(redis_error);
+        self.inner.reachability.observe(subscribed)?;
         let (sink, mut messages) = pubsub.split();
         let (deleted, receiver) = mpsc::channel(FEED_BUFFER);
         let store = self.clone();
@@ -70,7 +70,7 @@ impl DeletionFeed for RedisStore {
                     message = messages.next() => {
                         let Some(message) = message else { break };
                         let Ok(text) = message.get_payload::<String>() else { continue };
-                        if probe_channel.as_deref() == Some(message.get_channel_name()) {
+                        if message.get_channel_name() == probe_channel {
                             probes.heard(&text);
                             continue;
                         }
@@ -89,18 +89,16 @@ impl DeletionFeed for RedisStore {
                             Ok(Ok(())) => {}
                             _ => break,
                         }
-                        if let Some(channel) = &probe_channel {
-                            if let Err(lost) = probes.check(tokio::time::Instant::now()) {
-                                tracing::warn!(%lost, "deletion feed: a primary's notices stopped arriving");
+                        if let Err(lost) = probes.check(tokio::time::Instant::now()) {
+                            tracing::warn!(%lost, "deletion feed: a primary's notices stopped arriving");
+                            break;
+                        }
+                        // Bounded by the store's timeout, as any call.
+                        match store.publish_probe(&probe_channel, probes.next).await {
+                            Ok(primaries) => probes.sent(primaries, tokio::time::Instant::now()),
+                            Err(error) => {
+                                tracing::warn!(%error, "deletion feed: cannot probe every primary");
                                 break;
-                            }
-                            // Bounded by the store's timeout, as any call.
-                            match store.publish_probe(channel, probes.next).await {
-                                Ok(primaries) => probes.sent(primaries, tokio::time::Instant::now()),
-                                Err(error) => {
-                                    tracing::warn!(%error, "deletion feed: cannot probe every primary");
-                                    break;
-                                }
                             }
                         }
                     }
@@ -113,8 +111,8 @@ impl DeletionFeed for RedisStore {
 }
 
 impl RedisStore {
-    /// Publishes probe `sequence` on every primary of the cluster: how many
-    /// took it.
+    /// Publishes probe `sequence` on every primary (the one, or each of the
+    /// cluster's): how many took it.
     async fn publish_probe(&self, channel: &str, sequence: u64) -> Result<usize, Error> {
         let every_primary = RoutingInfo::MultiNode((
             MultipleNodeRoutingInfo::AllMasters,
@@ -134,9 +132,9 @@ impl RedisStore {
     }
 }
 
-/// The deletion feed's probes on a cluster (see [`RedisStore::subscribe`]):
-/// each sent to every primary, each to be heard back from all of them
-/// within [`PROBE_WITHIN`].
+/// The deletion feed's probes (see [`RedisStore::subscribe`]): each sent
+/// to every primary, each to be heard back from all of them within
+/// [`PROBE_WITHIN`].
 #[derive(Debug, Default)]
 struct Probes {
     /// The sequence number of the next probe.

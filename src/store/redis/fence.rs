@@ -1,7 +1,8 @@
-//! The replication fence of `--store-replicas`: a write and `WAIT N` on a
-//! connection of its own before an answer leaves (see
-//! [`RedisStore::fence`]); on a cluster, the witness key each call's script
-//! writes in its key's slot, so that the fence runs where the call landed.
+//! The replication fence of `--store-replicas`: before an answer leaves,
+//! the witness key the operation's last call wrote is written again and
+//! `WAIT N` run after it, on a connection of its own (see
+//! [`RedisStore::fence`]) — so the wait runs on the server that took the
+//! call, on one primary as on a cluster.
 
 use std::{cell::RefCell, collections::HashMap, sync::atomic::Ordering::Relaxed};
 
@@ -13,16 +14,15 @@ use redis::{
 use super::{cluster::Topology, RedisStore};
 use crate::error::Error;
 
-/// How long a fence key lives after its write: it only has to outlive the
-/// `WAIT` that follows it in the same round trip. A cluster's witness keys
-/// live this much longer than two store timeouts (their call's and their
-/// fence's, see [`RedisStore::fence`]).
+/// How much longer than two store timeouts (their call's and their
+/// fence's) a witness key lives: it only has to outlive the `WAIT` after
+/// its fence (see [`RedisStore::fence`]), and then expires by itself.
 pub(super) const FENCE_TTL_MS: u64 = 10_000;
 
 tokio::task_local! {
     /// The witness key of the last call the current store operation made,
-    /// for its fence to find (see [`RedisStore::fence`]); set only on a
-    /// cluster with `--store-replicas`.
+    /// for its fence to find (see [`RedisStore::fence`]); set only with
+    /// `--store-replicas`.
     pub(super) static WITNESS: RefCell<Option<String>>;
 }
 
@@ -43,10 +43,10 @@ pub(super) fn fence_tags() -> HashMap<Route, String> {
 }
 
 impl RedisStore {
-    /// Whether calls leave a witness for their fence: on a cluster with
+    /// Whether calls leave a witness for their fence: with
     /// `--store-replicas`.
     pub(super) fn witnessing(&self) -> bool {
-        self.is_cluster() && self.inner.replicas > 0
+        self.inner.replicas > 0
     }
 
     /// When [`RedisStore::witnessing`]: gives a script (its own arguments
@@ -73,11 +73,16 @@ impl RedisStore {
         Ok(())
     }
 
-    /// A fresh witness key in `redis_key`'s slot (a cluster's: its hash
-    /// tag hashes there): `<fence key>:<nonce>:{<tag>}`.
+    /// A fresh witness key: `<fence key>:<nonce>` on one primary, and on a
+    /// cluster `<fence key>:<nonce>:{<tag>}`, in `redis_key`'s slot (its
+    /// hash tag hashes there).
     fn witness_key(&self, redis_key: &str) -> Result<String, Error> {
         let Topology::Cluster { fence_tags, .. } = &self.inner.topology else {
-            return Err(Error::Store("witness keys are for a cluster".into()));
+            return Ok(format!(
+                "{}:{:016x}",
+                self.inner.fence_key,
+                rand::random::<u64>()
+            ));
         };
         let tag = fence_tags
             .get(&Route::with_key(redis_key, SlotAddr::Master))
@@ -90,91 +95,71 @@ impl RedisStore {
     }
 
     /// With `--store-replicas N`: proves that N replicas hold everything
-    /// this operation wrote or read. `WAIT` counts the replicas that have
-    /// the last write *of its own connection*, and replicas apply the
-    /// primary's stream in order; so a write followed by `WAIT N`, in one
-    /// round trip on a connection of their own, covers every write the
-    /// primary made before it — this operation's, on any connection, and
-    /// the ones its reads revealed (a DUPLICATE of a commit a failover would
-    /// lose). The fence connections are apart from the others: Redis serves
-    /// nothing else on a connection while it is blocked in `WAIT`.
+    /// this operation wrote or read, `redis_key` being the key it touched.
+    /// `WAIT` counts the replicas that have the last write *of its own
+    /// connection*, and replicas apply the primary's stream in order; so a
+    /// write followed by `WAIT N`, in one round trip on a connection of
+    /// their own, covers every write the primary made before it — this
+    /// operation's, on any connection, and the ones its reads revealed (a
+    /// DUPLICATE of a commit a failover would lose). The fence connections
+    /// are apart from the others: Redis serves nothing else on a
+    /// connection while it is blocked in `WAIT`.
     ///
-    /// On one primary, [`Store::durable`](crate::store::Store::durable) fences once for all a task did,
-    /// with a `SET` of this sidecar's fence key.
-    ///
-    /// On a cluster each primary replicates only its own slots, so every
-    /// operation fences the key it touched (`slot_of`), and it must fence
-    /// on the very node that served it: a failover or a slot move between
-    /// the call and the fence would otherwise send the fence to a node
-    /// that never had the call's write, whose `WAIT` proves nothing about
-    /// it. So each call, in its own script, writes a fresh witness key in
-    /// its key's slot (a hash tag keeps both in one slot; it expires by
-    /// itself, two store timeouts and 10 s later), and the fence's write is
-    /// `SET <witness> fenced XX KEEPTTL GET` for the operation's last
-    /// witness: it writes (and answers the old value) only on a node that
-    /// holds that call's effects — the primary that ran it, or a replica
-    /// promoted after receiving it — and finding none is UNAVAILABLE (not
-    /// acknowledged; the call may stand). It is repeatable: a fence sent
-    /// again after a lost answer still finds the witness.
-    pub(super) async fn fence(&self, slot_of: Option<&str>) -> Result<(), Error> {
+    /// It must run on the very server that served the call: a failover
+    /// between the call and the fence — a cluster's, a slot move, or one
+    /// primary's behind a name or address that now leads to the promoted
+    /// replica while the call's connection still stood on the old primary
+    /// — would otherwise send the fence to a server that never had the
+    /// call's write, whose `WAIT` proves nothing about it. So each call, in
+    /// its own script, writes a fresh witness key (on a cluster in its
+    /// key's slot: a hash tag keeps both in one slot; it expires by itself,
+    /// two store timeouts and 10 s later), and the fence's write is `SET
+    /// <witness> fenced XX KEEPTTL GET` for the operation's last witness:
+    /// it writes (and answers the old value) only on a server that holds
+    /// that call's effects — the primary that ran it, or a replica promoted
+    /// after receiving it — and finding none is UNAVAILABLE (not
+    /// acknowledged; the call may stand). The write is a script that also
+    /// names `redis_key`, so that while its slot moves between cluster
+    /// nodes it runs where both keys are, never on a node that received
+    /// the witness and not yet the record (a node holding some of a
+    /// command's keys answers TRYAGAIN, not ASK). It is repeatable: a fence
+    /// sent again after a lost answer still finds the witness.
+    pub(super) async fn fence(&self, redis_key: &str) -> Result<(), Error> {
         let replicas = self.inner.replicas;
         if replicas == 0 {
             return Ok(());
         }
-        // The write `WAIT` then covers: the last call's witness on a
-        // cluster, this sidecar's fence key on one primary.
-        let witness = match slot_of {
-            Some(key) => Some(
-                WITNESS
-                    .try_with(|last| last.borrow_mut().take())
-                    .ok()
-                    .flatten()
-                    .ok_or_else(|| Error::Store(format!("no witnessed call on {key} to fence")))?,
-            ),
-            None => None,
-        };
+        let witness = WITNESS
+            .try_with(|last| last.borrow_mut().take())
+            .ok()
+            .flatten()
+            .ok_or_else(|| Error::Store(format!("no witnessed call on {redis_key} to fence")))?;
         let wait_ms = u64::try_from((self.inner.timeout / 2).as_millis())
             .unwrap_or(u64::MAX)
             .max(1);
         let turn = self.inner.next.fetch_add(1, Relaxed);
         let connection = self.inner.fences[turn % self.inner.fences.len()].clone();
-        let (fence_key, witness) = (&self.inner.fence_key, &witness);
+        let witness = &witness;
         let (found, acknowledged): (bool, u32) = self
             .call_on(connection, |mut connection| async move {
-                let mut pipeline = redis::pipe();
-                match witness {
-                    Some(witness) => pipeline
-                        .cmd("SET")
-                        .arg(witness)
-                        .arg("fenced")
-                        .arg("XX")
-                        .arg("KEEPTTL")
-                        .arg("GET"),
-                    None => pipeline
-                        .cmd("SET")
-                        .arg(fence_key)
-                        .arg(turn)
-                        .arg("PX")
-                        .arg(FENCE_TTL_MS),
-                };
-                let (written, acknowledged): (redis::Value, u32) = pipeline
+                let (written, acknowledged): (redis::Value, u32) = redis::pipe()
+                    .cmd("EVAL")
+                    .arg(FENCE_SCRIPT)
+                    .arg(2)
+                    .arg(witness)
+                    .arg(redis_key)
                     .cmd("WAIT")
                     .arg(replicas)
                     .arg(wait_ms)
                     .query_async(&mut connection)
                     .await?;
-                let found = match witness {
-                    // The old value: nil where the witness is not.
-                    Some(_) => written != redis::Value::Nil,
-                    None => true,
-                };
-                Ok((found, acknowledged))
+                // The old value: nil where the witness is not.
+                Ok((written != redis::Value::Nil, acknowledged))
             })
             .await?;
         if !found {
             return Err(Error::Unavailable(format!(
-                "the primary of {} does not hold this call's effects (a failover or a slot move since; --store-replicas): not acknowledged, though it may stand",
-                slot_of.unwrap_or_default()
+                "the primary of {redis_key} does not hold this call's effects (a failover or a slot move since; --store-replicas): not acknowledged, though it may stand"
             )));
         }
         if acknowledged < replicas {
@@ -184,17 +169,11 @@ impl RedisStore {
         }
         Ok(())
     }
-
-    /// On a cluster, [`RedisStore::fence`] for a call that touched
-    /// `redis_key`; on one primary, nothing (`durable` fences).
-    pub(super) async fn fence_on_cluster(&self, redis_key: &str) -> Result<(), Error> {
-        if self.is_cluster() {
-            self.fence(Some(redis_key)).await
-        } else {
-            Ok(())
-        }
-    }
 }
+
+/// The fence's write (see [`RedisStore::fence`]): `KEYS[1]` the witness,
+/// `KEYS[2]` the key the call touched, only named.
+const FENCE_SCRIPT: &str = "return redis.call('SET', KEYS[1], 'fenced', 'XX', 'KEEPTTL', 'GET')";
 
 #[cfg(test)]
 mod tests {
@@ -335,7 +314,7 @@ mod tests {
                     .await
                     .unwrap();
                 assert!(held, "the script wrote {witness}");
-                store.fence(Some(&redis_key)).await.unwrap();
+                store.fence(&redis_key).await.unwrap();
                 let held: bool = redis::cmd("EXISTS")
                     .arg(&witness)
                     .query_async(&mut inspect)
@@ -350,7 +329,7 @@ mod tests {
                 assert_eq!(fenced, "fenced");
                 // A fence sent again (its answer lost) still finds it.
                 WITNESS.with(|last| last.replace(Some(witness.clone())));
-                store.fence(Some(&redis_key)).await.unwrap();
+                store.fence(&redis_key).await.unwrap();
             })
             .await;
 
@@ -364,7 +343,7 @@ mod tests {
                     .query_async(&mut inspect)
                     .await
                     .unwrap();
-                match store.fence(Some(&redis_key)).await {
+                match store.fence(&redis_key).await {
                     Err(Error::Unavailable(reason)) => {
                         assert!(reason.contains("does not hold"), "{reason}")
                     }
@@ -408,7 +387,7 @@ mod tests {
                     );
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
-                store.fence(Some(&redis_key)).await.unwrap();
+                store.fence(&redis_key).await.unwrap();
             })
             .await;
         let stored: Option<Vec<u8>> = redis::cmd("HGET")

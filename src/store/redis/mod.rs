@@ -12,14 +12,14 @@
 //!   deletes, so no deletion commits without its notification. On a cluster
 //!   a classic `PUBLISH` reaches every node, so the feed subscribes on any
 //!   one of the seed nodes, the next one after a loss.
-//! - With `--store-replicas`: `<prefix>:fence:<sidecar>` (one primary: a
-//!   string expiring 10 s after its last use: it only has to outlive its
-//!   own `WAIT`) or `<prefix>:fence:<sidecar>:<nonce>:{<tag>}` (a cluster:
-//!   one per call, a witness its fence deletes, expiring by itself 10 s
-//!   after it was written).
+//! - With `--store-replicas`: one witness per call,
+//!   `<prefix>:fence:<sidecar>:<nonce>` (on a cluster followed by `:{<tag>}`
+//!   in the slot of the key the call touched), written by the call's
+//!   script, marked by its fence, expiring by itself two store timeouts
+//!   and 10 s after it was written.
 //!
 //! Each call touches one key, named in `KEYS` (and its witness key in the
-//! same slot, with `--store-replicas` on a cluster), so each is valid on any Redis
+//! same slot, with `--store-replicas`), so each is valid on any Redis
 //! Cluster slot, and no record or mark needs a hash tag: no command or script
 //! reads a record and an ordering mark together (a Claim reads the mark,
 //! then writes the record, in two calls; the mark's own compare-and-set
@@ -37,8 +37,9 @@
 //! under a `maxmemory` would drop live leases and commits: refused, at
 //! start and every few seconds after, unless `--allow-redis-eviction`), and
 //! lose an acknowledged write in a failover (`--store-replicas N`: before
-//! an answer leaves, a fence write and `WAIT N` prove N replicas hold all
-//! it wrote or read; fewer replicas is UNAVAILABLE). Times to live are computed by the engine's clock, which
+//! an answer leaves, a fence write and `WAIT N` on the server that took
+//! the call prove N replicas hold all it wrote or read; fewer replicas, or
+//! a fence that reached another server, is UNAVAILABLE). Times to live are computed by the engine's clock, which
 //! on a shared store is Redis's own (`TIME`, [`crate::time_policy`]).
 //!
 //! A write sends what the record was believed to be (this sidecar's own
@@ -477,7 +478,7 @@ impl Store for RedisStore {
                 if let Some(written) = written {
                     self.inner.recent.remember(key, written);
                 }
-                self.fence_on_cluster(&self.record_key(key)).await?;
+                self.fence(&self.record_key(key)).await?;
                 Ok(answer)
             })
             .await
@@ -489,7 +490,7 @@ impl Store for RedisStore {
         WITNESS
             .scope(RefCell::new(None), async {
                 let stored = self.read(&redis_key).await?;
-                self.fence_on_cluster(&redis_key).await?;
+                self.fence(&redis_key).await?;
                 Ok(stored.map(|stored| stored.record))
             })
             .await
@@ -515,7 +516,7 @@ impl Store for RedisStore {
         WITNESS
             .scope(RefCell::new(None), async {
                 let text: Option<String> = self.fetch(&redis_key, Fetch::Mark).await?;
-                self.fence_on_cluster(&redis_key).await?;
+                self.fence(&redis_key).await?;
                 decode_mark(&text.unwrap_or_default())
             })
             .await
@@ -525,13 +526,10 @@ impl Store for RedisStore {
         // Redis answered each write after applying it, and after its
         // append-only file's fsync when `appendfsync always` is set: that
         // setting is the durability of this store on one server; across a
-        // failover, `--store-replicas` (on a cluster, each call fenced the
-        // key it touched already).
-        if self.is_cluster() {
-            Ok(())
-        } else {
-            self.fence(None).await
-        }
+        // failover, `--store-replicas`: each operation fenced what it
+        // touched already, before it answered (and so before the local
+        // tier learned it).
+        Ok(())
     }
 
     async fn reap(&self, _now: UnixMillis, _budget: usize) -> Result<ReapReport, Error> {

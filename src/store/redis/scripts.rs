@@ -252,7 +252,7 @@ impl RedisStore {
             }
             current = now;
         }
-        self.fence_on_cluster(redis_key).await
+        self.fence(redis_key).await
     }
 }
 
