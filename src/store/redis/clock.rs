@@ -1,5 +1,6 @@
 //! The store's clock: Redis's `TIME`, on a cluster from one primary every
-//! sidecar agrees on (with the same fallbacks for all).
+//! sidecar agrees on (with the same fallbacks for all), and never from
+//! another node in its place.
 
 use redis::{
     cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr},
@@ -19,14 +20,29 @@ impl TimeSource for RedisStore {
         // does not (its replica not promoted yet, or none), the primary of
         // slot 8192, then of slot 16383: the same fallback for every
         // sidecar, so they keep reading one clock.
+        if !self.is_cluster() {
+            return self
+                .time_from(
+                    redis::cmd("TIME"),
+                    RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
+                )
+                .await;
+        }
         let mut unanswered = None;
-        for slot in [0, 8192, 16383] {
+        for (slot, key) in CLOCK_SLOTS.iter().zip(CLOCK_KEYS.iter()) {
             let primary = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
-                slot,
+                *slot,
                 SlotAddr::Master,
             )));
-            match self.time_from(primary).await {
-                Err(Error::Unavailable(error)) if self.is_cluster() => {
+            // `TIME` itself names no key, and a route to a slot whose
+            // primary is not connected goes to any node, a replica
+            // included: another clock, taken as a step. Asked in a script
+            // that names a key of the slot, any node but the slot's
+            // primary answers MOVED, which the client follows.
+            let mut time = redis::cmd("EVAL");
+            time.arg(TIME_SCRIPT).arg(1).arg(key);
+            match self.time_from(time, primary).await {
+                Err(Error::Unavailable(error)) => {
                     tracing::debug!(%error, slot, "the primary of a slot did not tell the time");
                     unanswered = Some(error);
                 }
@@ -37,14 +53,40 @@ impl TimeSource for RedisStore {
     }
 }
 
+/// The slots whose primaries tell a cluster's time, in order of preference.
+const CLOCK_SLOTS: [u16; 3] = [0, 8192, 16383];
+
+/// `TIME` in a script that may run where writes are refused (a full
+/// Redis), naming a key so that only its slot's primary runs it.
+const TIME_SCRIPT: &str = "#!lua flags=no-writes\nreturn redis.call('TIME')";
+
+/// A key in each of [`CLOCK_SLOTS`]: the first `{<n>}` that hashes there.
+static CLOCK_KEYS: std::sync::LazyLock<Vec<String>> = std::sync::LazyLock::new(|| {
+    CLOCK_SLOTS
+        .iter()
+        .map(|slot| {
+            let wanted = Route::new(*slot, SlotAddr::Master);
+            (0u64..)
+                .map(|number| format!("{{{number}}}"))
+                .find(|key| Route::with_key(key, SlotAddr::Master) == wanted)
+                .expect("every slot has a key")
+        })
+        .collect()
+});
+
 impl RedisStore {
-    /// `TIME` of the node `node` routes to (on one primary, its).
-    async fn time_from(&self, node: RoutingInfo) -> Result<ClockReading, Error> {
+    /// The store's time by `command` (`TIME`, or a script calling it) where
+    /// `node` routes it (on one primary, there).
+    async fn time_from(
+        &self,
+        command: redis::Cmd,
+        node: RoutingInfo,
+    ) -> Result<ClockReading, Error> {
         let sent = std::time::Instant::now();
         let answer = self
             .call(|mut connection| {
-                let node = node.clone();
-                async move { connection.route(redis::cmd("TIME"), node).await }
+                let (command, node) = (command.clone(), node.clone());
+                async move { connection.route(command, node).await }
             })
             .await?;
         let (seconds, micros) = <(u64, u64)>::from_redis_value(answer)
@@ -63,6 +105,20 @@ mod tests {
 
     use super::*;
     use crate::store::redis::tests::{cluster_store, ON_THE_CLUSTER};
+
+    /// Each clock key routes to its slot, so only that slot's primary
+    /// runs the script that tells the time.
+    #[test]
+    fn each_clock_key_lies_in_its_slot() {
+        for (slot, key) in CLOCK_SLOTS.iter().zip(CLOCK_KEYS.iter()) {
+            assert_eq!(
+                Route::with_key(key, SlotAddr::Master),
+                Route::new(*slot, SlotAddr::Master),
+                "{key}"
+            );
+        }
+        assert_eq!(CLOCK_KEYS.len(), CLOCK_SLOTS.len());
+    }
 
     /// While slot 0's primary does not answer, the cluster's time comes
     /// from another primary.
