@@ -160,7 +160,9 @@ pub struct ServeArgs {
     #[arg(long, env = "DEDUPD_STORE", value_enum, default_value_t = StoreKind::Sled)]
     pub store: StoreKind,
     /// The shared store's URL (`postgres://user:password@host:5432/db`,
-    /// `redis://:password@host:6379/0`, `rediss://…` for TLS); prefer
+    /// `redis://:password@host:6379/0`, `rediss://…` for TLS,
+    /// `redis+sentinel://h1:26379,h2:26379/<name>` for the primary Sentinel
+    /// names, `redis+cluster://h1:6379,h2:6379` for a Redis Cluster); prefer
     /// --store-url-file for one with a password.
     #[arg(long, env = "DEDUPD_STORE_URL", hide_env_values = true)]
     pub store_url: Option<String>,
@@ -169,7 +171,8 @@ pub struct ServeArgs {
     pub store_url_file: Option<PathBuf>,
     /// PEM file of the CA (or the certificate itself) that signed the shared
     /// store's TLS certificate, instead of the system's roots. TLS is used
-    /// when the URL says `sslmode=require` (PostgreSQL) or `rediss://`.
+    /// when the URL says `sslmode=require` (PostgreSQL) or `rediss://`
+    /// (`rediss+cluster://`, `rediss+sentinel://`).
     #[arg(long, env = "DEDUPD_STORE_CA_FILE")]
     pub store_ca_file: Option<PathBuf>,
     /// PostgreSQL schema for dedupd's tables (created if missing), or the

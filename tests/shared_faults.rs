@@ -899,3 +899,171 @@ async fn a_replication_wait_on_another_server_acknowledges_nothing() {
         "the retry was answered though still not replicated"
     );
 }
+
+/// A Redis Sentinel of the test's own, or `None` (skipped).
+fn throwaway_sentinel(primary: u16) -> Option<dedupd_testkit::services::Throwaway> {
+    match dedupd_testkit::services::start_redis_sentinel("dedupd", primary, 2, 1000) {
+        Ok(Some(sentinel)) => Some(sentinel),
+        Ok(None) => {
+            dedupd_testkit::skip::skip_for_store("no redis-server to start a Sentinel");
+            None
+        }
+        Err(error) => panic!("cannot start a Sentinel: {error}"),
+    }
+}
+
+/// Polls `check` every 100 ms until it holds, for up to `within`.
+async fn until(what: &str, within: Duration, mut check: impl AsyncFnMut() -> bool) {
+    let started = Instant::now();
+    while !check().await {
+        assert!(started.elapsed() < within, "{what}: not within {within:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Issue 41: Redis Sentinel. A primary with two replicas, three sentinels,
+/// a sidecar given only the sentinels (`redis+sentinel://…/dedupd`) with
+/// `--store-replicas 1`. The primary is SIGKILLed; the sentinels promote a
+/// replica; the sidecar follows them to it by itself: every commit it
+/// acknowledged before is still a DUPLICATE, and new claims and commits go
+/// through on the new primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_failover_is_followed_and_loses_no_acknowledged_commit() {
+    let durable = ["--appendonly", "yes", "--appendfsync", "always"];
+    let Some(primary) = throwaway_redis(&durable) else {
+        return;
+    };
+    let port = primary.port.to_string();
+    let mut replicas = Vec::new();
+    for _ in 0..2 {
+        let mut args = durable.to_vec();
+        args.extend(["--replicaof", "127.0.0.1", &port]);
+        let Some(replica) = throwaway_redis(&args) else {
+            return;
+        };
+        linked_up(&replica.url).await;
+        replicas.push(replica);
+    }
+    let mut sentinels = Vec::new();
+    for _ in 0..3 {
+        let Some(sentinel) = throwaway_sentinel(primary.port) else {
+            return;
+        };
+        sentinels.push(sentinel);
+    }
+    // Each sentinel has found the replicas (from the primary's INFO) and
+    // the other sentinels (over the primary's hello channel): without
+    // them it could not agree on, or carry out, a failover.
+    for sentinel in &sentinels {
+        until(
+            "the sentinel knows the topology",
+            Duration::from_secs(30),
+            async || {
+                let replicas =
+                    redis_command(&sentinel.url, &["SENTINEL", "REPLICAS", "dedupd"]).await;
+                let others =
+                    redis_command(&sentinel.url, &["SENTINEL", "SENTINELS", "dedupd"]).await;
+                replicas.matches("\"ip\"").count() >= 2 && others.matches("\"ip\"").count() >= 2
+            },
+        )
+        .await;
+    }
+    let url = format!(
+        "redis+sentinel://{}/dedupd",
+        sentinels
+            .iter()
+            .map(|sentinel| format!("127.0.0.1:{}", sentinel.port))
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let flags = strings(&[
+        "--store",
+        "redis",
+        "--store-url",
+        &url,
+        "--store-schema",
+        "sentinel",
+        "--store-replicas",
+        "1",
+        "--store-timeout",
+        "2s",
+    ]);
+    let sidecar = serving(&[], dir.path(), &flags).await;
+    let mut client = sidecar.client().await;
+    let commit = async |client: &mut common::Client, id: &str| -> Result<(), tonic::Status> {
+        let claimed = client.claim(claim_for(id, 30, 3600)).await?.into_inner();
+        assert_eq!(outcome(&claimed), pb::ClaimOutcome::Claimed, "{id}");
+        client
+            .commit(pb::CommitRequest {
+                correlation_id: id.to_owned(),
+                lease_token: claimed.lease_token,
+                ..Default::default()
+            })
+            .await
+            .map(drop)
+    };
+    for i in 0..10 {
+        commit(&mut client, &format!("before-{i}"))
+            .await
+            .expect("committed");
+    }
+
+    // The primary dies at once (SIGKILL): no goodbye to anyone.
+    let info = redis_command(&primary.url, &["INFO", "server"]).await;
+    let pid = info
+        .lines()
+        .find_map(|line| line.strip_prefix("process_id:"))
+        .expect("INFO names the process")
+        .trim()
+        .to_owned();
+    let killed = Instant::now();
+    assert!(Command::new("kill")
+        .args(["-9", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let promoted = replicas
+        .iter()
+        .map(|replica| replica.port.to_string())
+        .collect::<Vec<_>>();
+    until("a replica promoted", Duration::from_secs(30), async || {
+        let named = redis_command(
+            &sentinels[0].url,
+            &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", "dedupd"],
+        )
+        .await;
+        promoted.iter().any(|port| named.contains(port.as_str()))
+    })
+    .await;
+    let failed_over = killed.elapsed();
+
+    // The sidecar follows: a new event commits (once the other replica
+    // follows the new primary, so a replica confirms it)...
+    let mut after = 0;
+    until(
+        "a commit on the new primary",
+        Duration::from_secs(30),
+        async || {
+            after += 1;
+            // A claim refused while the sentinels fail over is given up;
+            // the next try is a new event.
+            commit(&mut client, &format!("after-{after}")).await.is_ok()
+        },
+    )
+    .await;
+    let serving_again = killed.elapsed();
+    // ...and every commit acknowledged before the failover is there.
+    for i in 0..10 {
+        let id = format!("before-{i}");
+        let again = claim(&mut client, claim_for(&id, 30, 3600)).await;
+        assert_eq!(
+            outcome(&again),
+            pb::ClaimOutcome::Duplicate,
+            "{id}, acknowledged before the failover, was lost"
+        );
+    }
+    eprintln!(
+        "sentinel failover: promoted {failed_over:?} after the SIGKILL; commits again after {serving_again:?}"
+    );
+}

@@ -423,6 +423,53 @@ cat >/dev/null
     spawn_wrapper(script, &binaries, &dir, port, args, None, url).map(Some)
 }
 
+/// A Redis Sentinel of the harness's own (`redis-server <conf> --sentinel`)
+/// monitoring the primary at 127.0.0.1:`primary_port` as `name`, with
+/// `quorum`, judging it down after `down_after_ms` of silence; waits until
+/// it answers PING. `Ok(None)` without `redis-server`.
+pub fn start_redis_sentinel(
+    name: &str,
+    primary_port: u16,
+    quorum: u32,
+    down_after_ms: u64,
+) -> Result<Option<Throwaway>, String> {
+    let Some(binaries) = find_binaries(&["redis-server"]) else {
+        return Ok(None);
+    };
+    let port = free_port();
+    let dir = server_dir("sentinel")?;
+    // Sentinel rewrites its configuration file as it learns the topology,
+    // so it gets one of its own.
+    let script = r#"
+cat >"$DIR/sentinel.conf" <<CONF
+port $PORT
+bind 127.0.0.1
+dir $DIR
+sentinel monitor $1 127.0.0.1 $2 $3
+sentinel down-after-milliseconds $1 $4
+sentinel failover-timeout $1 10000
+sentinel parallel-syncs $1 1
+CONF
+"$BIN/redis-server" "$DIR/sentinel.conf" --sentinel >"$DIR/server.log" 2>&1 </dev/null &
+server=$!
+trap 'kill "$server" 2>/dev/null; wait "$server" 2>/dev/null; rm -rf "$DIR"' EXIT
+trap 'exit 130' INT TERM HUP
+cat >/dev/null
+"#;
+    let url = format!("redis://127.0.0.1:{port}");
+    let args: Vec<OsString> = [
+        name.to_owned(),
+        primary_port.to_string(),
+        quorum.to_string(),
+        down_after_ms.to_string(),
+    ]
+    .into_iter()
+    .map(OsString::from)
+    .collect();
+    let server = spawn_wrapper(script, &binaries, &dir, port, &args, None, url)?;
+    wait_until_answering(server, redis_answers, &["server.log"]).map(Some)
+}
+
 /// [`spawn_redis`], waiting until it answers PING in plaintext.
 pub fn start_redis(args: &[OsString]) -> Result<Option<Throwaway>, String> {
     match spawn_redis(args)? {

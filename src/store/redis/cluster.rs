@@ -1,15 +1,21 @@
-//! One primary or a Redis Cluster: the [`Connection`] every call goes
-//! through (a cluster's routes each call by its key, or where a
-//! [`RoutingInfo`] says), and what else differs between the two
-//! ([`Topology`]).
+//! One primary (at a fixed address, or named by sentinels) or a Redis
+//! Cluster: the [`Connection`] every call goes through (a cluster's routes
+//! each call by its key, or where a [`RoutingInfo`] says), and what else
+//! differs between them ([`Topology`]).
 
-use std::{collections::HashMap, fmt, sync::atomic::AtomicUsize};
+use std::{
+    collections::HashMap,
+    fmt,
+    sync::{atomic::AtomicUsize, Arc},
+};
 
 use redis::{
     aio::ConnectionManager,
     cluster_async::ClusterConnection,
     cluster_routing::{Route, RoutingInfo},
 };
+
+use super::sentinel::{Sentinel, SentinelConnection};
 
 /// One multiplexed way to Redis: a connection manager to one primary, or
 /// a cluster client (its slot map, a connection per node, MOVED and ASK
@@ -20,6 +26,8 @@ use redis::{
 pub enum Connection {
     /// One primary.
     Primary(ConnectionManager),
+    /// The primary the sentinels name.
+    Sentinel(SentinelConnection),
     /// A Redis Cluster.
     Cluster(ClusterConnection),
 }
@@ -31,6 +39,7 @@ impl redis::aio::ConnectionLike for Connection {
     ) -> redis::RedisFuture<'a, redis::Value> {
         match self {
             Connection::Primary(connection) => connection.req_packed_command(command),
+            Connection::Sentinel(connection) => connection.req_packed_command(command),
             Connection::Cluster(connection) => connection.req_packed_command(command),
         }
     }
@@ -45,6 +54,9 @@ impl redis::aio::ConnectionLike for Connection {
             Connection::Primary(connection) => {
                 connection.req_packed_commands(pipeline, offset, count)
             }
+            Connection::Sentinel(connection) => {
+                connection.req_packed_commands(pipeline, offset, count)
+            }
             Connection::Cluster(connection) => {
                 connection.req_packed_commands(pipeline, offset, count)
             }
@@ -54,6 +66,7 @@ impl redis::aio::ConnectionLike for Connection {
     fn get_db(&self) -> i64 {
         match self {
             Connection::Primary(connection) => connection.get_db(),
+            Connection::Sentinel(connection) => connection.get_db(),
             Connection::Cluster(connection) => connection.get_db(),
         }
     }
@@ -63,6 +76,7 @@ impl fmt::Debug for Connection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Connection::Primary(_) => "Connection::Primary",
+            Connection::Sentinel(_) => "Connection::Sentinel",
             Connection::Cluster(_) => "Connection::Cluster",
         })
     }
@@ -78,6 +92,7 @@ impl Connection {
     ) -> redis::RedisResult<redis::Value> {
         match self {
             Connection::Primary(connection) => command.query_async(connection).await,
+            Connection::Sentinel(connection) => command.query_async(connection).await,
             Connection::Cluster(connection) => connection.route_command(command, routing).await,
         }
     }
@@ -87,6 +102,9 @@ impl Connection {
 pub(super) enum Topology {
     /// One primary: the deletion feed subscribes here.
     Primary { client: redis::Client },
+    /// One primary named by sentinels: the deletion feed subscribes on the
+    /// one they name when it starts.
+    Sentinel { sentinel: Arc<Sentinel> },
     /// A cluster.
     Cluster {
         /// The seed nodes, where the deletion feed subscribes (the next one

@@ -1,14 +1,15 @@
 //! How to reach Redis: the configuration (shown without its password), and
-//! its URL checked and split into the nodes it names (one primary, or a
-//! cluster's seed nodes).
+//! its URL checked and split into the nodes it names (one primary, a
+//! cluster's seed nodes, or the sentinels that name a primary).
 
 use std::{fmt, time::Duration};
 
 /// How to reach Redis.
 #[derive(Clone)]
 pub struct RedisConfig {
-    /// `redis://[user:password@]host:port[/db]` or `rediss://…` (never
-    /// logged).
+    /// `redis://[user:password@]host:port[/db]` or `rediss://…`, a
+    /// cluster's `redis+cluster://h1:p1,h2:p2`, or the sentinels of a
+    /// primary, `redis+sentinel://h1:p1,h2:p2/<name>[/db]` (never logged).
     pub url: String,
     /// Every key dedupd writes starts with `<prefix>:`.
     pub prefix: String,
@@ -63,18 +64,98 @@ pub fn is_cluster_url(url: &str) -> bool {
     url.starts_with("redis+cluster://") || url.starts_with("rediss+cluster://")
 }
 
+/// Whether `url` names the sentinels of a primary by its scheme.
+pub fn is_sentinel_url(url: &str) -> bool {
+    url.starts_with("redis+sentinel://") || url.starts_with("rediss+sentinel://")
+}
+
+/// What a `redis+sentinel://` URL names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SentinelTarget {
+    /// One `redis://` or `rediss://` URL per sentinel, with the URL's
+    /// credentials (used for the sentinels and the primary alike).
+    pub sentinels: Vec<String>,
+    /// The name the sentinels monitor the primary by.
+    pub master: String,
+    /// The primary's database.
+    pub db: i64,
+    /// TLS to the sentinels and the primary (`rediss+sentinel://`).
+    pub tls: bool,
+}
+
+/// Splits `redis+sentinel://[user:password@]h1:p1,h2:p2/<name>[/db]` (or
+/// `rediss+sentinel://…`).
+pub fn sentinel_target(url: &str) -> Result<SentinelTarget, String> {
+    let shown = crate::store::postgres::redact_url(url);
+    let (tls, rest) = match url.split_once("://") {
+        Some(("redis+sentinel", rest)) => (false, rest),
+        Some(("rediss+sentinel", rest)) => (true, rest),
+        _ => return Err(format!("{shown} is not a redis+sentinel:// URL")),
+    };
+    let split = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(split);
+    let path = tail.split('?').next().unwrap_or_default().trim_matches('/');
+    let (master, db) = match path.split_once('/') {
+        Some((master, db)) => (master, db),
+        None => (path, "0"),
+    };
+    if master.is_empty() {
+        return Err(format!(
+            "{shown}: name the primary the sentinels monitor: redis+sentinel://host1:26379,host2:26379/<name>"
+        ));
+    }
+    let db = db
+        .parse::<i64>()
+        .ok()
+        .filter(|db| *db >= 0)
+        .ok_or_else(|| format!("{shown}: {db} is not a database number"))?;
+    let scheme = if tls { "rediss" } else { "redis" };
+    Ok(SentinelTarget {
+        sentinels: hosts(&shown, scheme, authority)?,
+        master: master.to_owned(),
+        db,
+        tls,
+    })
+}
+
+/// One `<scheme>://` URL per comma-separated host of `authority`, each
+/// with its credentials.
+fn hosts(shown: &str, scheme: &str, authority: &str) -> Result<Vec<String>, String> {
+    let (credentials, hosts) = match authority.rsplit_once('@') {
+        Some((credentials, hosts)) => (format!("{credentials}@"), hosts),
+        None => (String::new(), authority),
+    };
+    let hosts: Vec<&str> = hosts.split(',').map(str::trim).collect();
+    if hosts.iter().any(|host| host.is_empty()) {
+        return Err(format!("{shown}: an empty host in the list of nodes"));
+    }
+    Ok(hosts
+        .into_iter()
+        .map(|host| format!("{scheme}://{credentials}{host}"))
+        .collect())
+}
+
 /// The node URLs `url` names: itself for one primary; for a cluster
 /// (`cluster`, or a `+cluster` scheme) one `redis://` or `rediss://` URL
-/// per comma-separated host, each with the URL's credentials. A cluster
-/// has only database 0.
+/// per comma-separated host, each with the URL's credentials (a cluster
+/// has only database 0); for Sentinel, the sentinels' (see
+/// [`sentinel_target`]).
 pub fn nodes(url: &str, cluster: bool) -> Result<Vec<String>, String> {
     let shown = crate::store::postgres::redact_url(url);
+    if is_sentinel_url(url) {
+        if cluster {
+            return Err(format!(
+                "{shown}: --store-cluster is for a Redis Cluster; Sentinel manages one primary"
+            ));
+        }
+        return Ok(sentinel_target(url)?.sentinels);
+    }
     let (scheme, rest) = match url.split_once("://") {
         Some(("redis" | "redis+cluster", rest)) => ("redis", rest),
         Some(("rediss" | "rediss+cluster", rest)) => ("rediss", rest),
         _ => {
             return Err(format!(
-                "{shown} is not a redis://, rediss://, redis+cluster:// or rediss+cluster:// URL"
+                "{shown} is not a redis://, rediss://, redis+cluster://, rediss+cluster://, redis+sentinel:// or rediss+sentinel:// URL"
             ))
         }
     };
@@ -91,24 +172,13 @@ pub fn nodes(url: &str, cluster: bool) -> Result<Vec<String>, String> {
         }
         return Ok(vec![url.to_owned()]);
     }
-    let (credentials, hosts) = match authority.rsplit_once('@') {
-        Some((credentials, hosts)) => (format!("{credentials}@"), hosts),
-        None => (String::new(), authority),
-    };
     let database = tail.split('?').next().unwrap_or_default().trim_matches('/');
     if !(database.is_empty() || database == "0") {
         return Err(format!(
             "{shown}: a Redis Cluster has only database 0, not {database}"
         ));
     }
-    let hosts: Vec<&str> = hosts.split(',').map(str::trim).collect();
-    if hosts.iter().any(|host| host.is_empty()) {
-        return Err(format!("{shown}: an empty host in the list of seed nodes"));
-    }
-    Ok(hosts
-        .into_iter()
-        .map(|host| format!("{scheme}://{credentials}{host}"))
-        .collect())
+    hosts(&shown, scheme, authority)
 }
 
 #[cfg(test)]
@@ -161,5 +231,61 @@ mod tests {
         assert!(check_url("redis://a:1,b:2", true).is_ok());
         // A comma in a one-primary URL's password is not a host list.
         assert!(check_url("redis://:pa,ss@cache:6379", false).is_ok());
+    }
+
+    #[test]
+    fn sentinel_urls_name_the_sentinels_the_primary_and_its_database() {
+        assert_eq!(
+            sentinel_target("redis+sentinel://app:s3cret@s1:26379,s2:26380/payments/2").unwrap(),
+            SentinelTarget {
+                sentinels: vec![
+                    "redis://app:s3cret@s1:26379".into(),
+                    "redis://app:s3cret@s2:26380".into()
+                ],
+                master: "payments".into(),
+                db: 2,
+                tls: false,
+            }
+        );
+        let tls = sentinel_target("rediss+sentinel://s1:26379/mymaster").unwrap();
+        assert_eq!(
+            (tls.sentinels, tls.master, tls.db, tls.tls),
+            (
+                vec!["rediss://s1:26379".to_owned()],
+                "mymaster".to_owned(),
+                0,
+                true
+            )
+        );
+        assert!(check_url("redis+sentinel://s1:26379,s2:26379/mymaster", false).is_ok());
+        // No name, a bad database, an empty host, --store-cluster: refused,
+        // the password never shown.
+        for (url, cluster, says) in [
+            (
+                "redis+sentinel://:s3cret@s1:26379",
+                false,
+                "name the primary",
+            ),
+            (
+                "redis+sentinel://:s3cret@s1:26379/",
+                false,
+                "name the primary",
+            ),
+            (
+                "redis+sentinel://:s3cret@s1:26379/m/x",
+                false,
+                "not a database",
+            ),
+            ("redis+sentinel://:s3cret@s1:1,,s2:2/m", false, "empty host"),
+            (
+                "redis+sentinel://:s3cret@s1:26379/m",
+                true,
+                "--store-cluster",
+            ),
+        ] {
+            let refused = check_url(url, cluster).unwrap_err();
+            assert!(refused.contains(says), "{url}: {refused}");
+            assert!(!refused.contains("s3cret"), "{refused}");
+        }
     }
 }

@@ -21,10 +21,11 @@ use crate::{
 impl DeletionFeed for RedisStore {
     async fn subscribe(&self) -> Result<mpsc::Receiver<Key>, Error> {
         let client = match &self.inner.topology {
-            Topology::Primary { client } => client,
+            Topology::Primary { client } => client.clone(),
+            Topology::Sentinel { sentinel } => sentinel.primary().await.map_err(redis_error)?,
             Topology::Cluster {
                 seeds, next_seed, ..
-            } => &seeds[next_seed.fetch_add(1, Relaxed) % seeds.len()],
+            } => seeds[next_seed.fetch_add(1, Relaxed) % seeds.len()].clone(),
         };
         let pubsub = tokio::time::timeout(self.inner.timeout, client.get_async_pubsub())
             .await

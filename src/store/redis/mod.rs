@@ -61,6 +61,7 @@ mod feed;
 mod fence;
 mod records;
 mod scripts;
+mod sentinel;
 
 use std::{
     cell::RefCell,
@@ -77,7 +78,7 @@ use redis::{aio::ConnectionManager, Script};
 
 pub use self::{
     cluster::Connection,
-    config::{check_url, is_cluster_url, nodes, RedisConfig},
+    config::{check_url, is_cluster_url, is_sentinel_url, nodes, RedisConfig},
     records::Held,
 };
 use self::{
@@ -237,6 +238,22 @@ impl RedisStore {
                 },
             };
             (topology, open(count), open(wanted(config.replicas > 0)))
+        } else if is_sentinel_url(&config.url) {
+            let target = config::sentinel_target(&config.url).map_err(Error::Store)?;
+            let sentinel = sentinel::Sentinel::new(
+                &target,
+                certificates.clone(),
+                nodelay.clone(),
+                config.timeout,
+            )
+            .map_err(invalid)?;
+            let open = |count: usize| {
+                (0..count)
+                    .map(|_| Connection::Sentinel(sentinel.connection()))
+                    .collect::<Vec<_>>()
+            };
+            let (connections, fences) = (open(count), open(wanted(config.replicas > 0)));
+            (Topology::Sentinel { sentinel }, connections, fences)
         } else {
             let client = single(&config.url)?;
             let manager_config = redis::aio::ConnectionManagerConfig::new()
@@ -417,6 +434,7 @@ impl RedisStore {
                         Err(error) => tracing::debug!(%error, "Redis still unreachable"),
                     }
                 }
+                store.check_roles().await;
                 if checked.is_none_or(|at| at.elapsed() >= EVICTION_CHECK_EVERY) {
                     let first = checked.is_none();
                     match store.eviction_refusal().await {
@@ -440,6 +458,26 @@ impl RedisStore {
                 tokio::time::sleep(HEARTBEAT).await;
             }
         })
+    }
+
+    /// Through sentinels: asks each connection's server whether it still
+    /// is the primary; one that is not (demoted after a failover, still
+    /// answering reads) is dropped, and made again to the one the
+    /// sentinels name.
+    async fn check_roles(&self) {
+        for connection in self.inner.connections.iter().chain(&self.inner.fences) {
+            let Connection::Sentinel(connection) = connection else {
+                continue;
+            };
+            match tokio::time::timeout(self.inner.timeout, connection.check_role()).await {
+                Ok(Ok(sentinel::Demoted::Yes)) => tracing::warn!(
+                    "Redis: a connection's server is no longer the primary; following the \
+                     sentinels to the new one"
+                ),
+                Ok(Err(error)) => tracing::debug!(%error, "Redis: cannot ask for the role"),
+                Ok(Ok(sentinel::Demoted::No)) | Err(_) => {}
+            }
+        }
     }
 
     /// Asks Redis whether it answers, on every connection (for health;

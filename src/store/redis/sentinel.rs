@@ -1,0 +1,238 @@
+//! Redis Sentinel: the primary is found by name through the sentinels
+//! (`redis+sentinel://h1:26379,h2:26379/<name>`), and found again whenever
+//! a connection to it fails or it stops being the primary, so the store
+//! follows a failover without a fixed address in between.
+
+use std::{
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use redis::{
+    aio::{ConnectionLike, MultiplexedConnection},
+    sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType},
+    AsyncConnectionConfig, IntoConnectionInfo, RedisError, RedisResult, TlsCertificates,
+};
+
+use super::config::SentinelTarget;
+
+/// How to ask the sentinels for the primary; shared by every connection.
+pub(super) struct Sentinel {
+    /// A fresh Sentinel client per lookup: redis-rs's needs `&mut` for
+    /// one, and lookups are rare (a connection's first use, and after a
+    /// failure), so none is shared under a lock.
+    build: Box<dyn Fn() -> RedisResult<SentinelClient> + Send + Sync>,
+    /// Each connection's timeouts (a lookup and a connection attempt are
+    /// bounded by `timeout` together).
+    config: AsyncConnectionConfig,
+    timeout: Duration,
+    db: i64,
+}
+
+impl Sentinel {
+    /// The sentinels of `target`, their primary reached with the URL's
+    /// credentials and database (TLS to both for `rediss+sentinel://`,
+    /// trusting `certificates` if given).
+    pub(super) fn new(
+        target: &SentinelTarget,
+        certificates: Option<TlsCertificates>,
+        tcp: redis::io::tcp::TcpSettings,
+        timeout: Duration,
+    ) -> RedisResult<Arc<Sentinel>> {
+        let infos = target
+            .sentinels
+            .iter()
+            .map(|url| url.as_str().into_connection_info())
+            .collect::<RedisResult<Vec<_>>>()?;
+        let first = infos
+            .first()
+            .ok_or_else(|| {
+                RedisError::from((redis::ErrorKind::InvalidClientConfig, "no sentinel"))
+            })?
+            .redis_settings()
+            .clone();
+        let addresses: Vec<_> = infos.iter().map(|info| info.addr().clone()).collect();
+        let (name, tls, db) = (target.master.clone(), target.tls, target.db);
+        let build = move || {
+            let mut builder =
+                SentinelClientBuilder::new(addresses.clone(), &name, SentinelServerType::Master)?
+                    .set_client_to_redis_db(db)
+                    .set_client_to_redis_tcp_settings(tcp.clone())
+                    .set_client_to_sentinel_tcp_settings(tcp.clone());
+            if let Some(username) = first.username() {
+                builder = builder
+                    .set_client_to_redis_username(username)
+                    .set_client_to_sentinel_username(username);
+            }
+            if let Some(password) = first.password() {
+                builder = builder
+                    .set_client_to_redis_password(password)
+                    .set_client_to_sentinel_password(password);
+            }
+            if tls {
+                builder = builder.set_client_to_redis_tls_mode(redis::TlsMode::Secure);
+                if let Some(certificates) = &certificates {
+                    builder = builder
+                        .set_client_to_redis_certificates(certificates.clone())
+                        .set_client_to_sentinel_certificates(certificates.clone());
+                }
+            }
+            builder.build()
+        };
+        // Built once here, so a bad combination is an error at start.
+        build()?;
+        Ok(Arc::new(Sentinel {
+            build: Box::new(build),
+            config: AsyncConnectionConfig::new()
+                .set_connection_timeout(Some(timeout))
+                .set_response_timeout(Some(timeout)),
+            timeout,
+            db,
+        }))
+    }
+
+    /// A client for the server the sentinels name as the primary now (one
+    /// that says it is, asked by redis-rs before it is returned).
+    pub(super) async fn primary(&self) -> RedisResult<redis::Client> {
+        let mut client = (self.build)()?;
+        tokio::time::timeout(self.timeout, client.async_get_client())
+            .await
+            .map_err(|_| timed_out("the sentinels did not name the primary"))?
+    }
+
+    /// One connection of the store's pool, through these sentinels.
+    pub(super) fn connection(self: &Arc<Self>) -> SentinelConnection {
+        SentinelConnection {
+            sentinel: Arc::clone(self),
+            current: Arc::new(Mutex::new(None)),
+        }
+    }
+}
+
+fn timed_out(what: &'static str) -> RedisError {
+    RedisError::from(std::io::Error::new(std::io::ErrorKind::TimedOut, what))
+}
+
+/// A multiplexed connection to the primary the sentinels name, made on
+/// first use and made again (the primary asked for again) after a call
+/// fails in a way that says the server is gone or no longer the primary.
+#[derive(Clone)]
+pub struct SentinelConnection {
+    sentinel: Arc<Sentinel>,
+    current: Arc<Mutex<Option<MultiplexedConnection>>>,
+}
+
+impl SentinelConnection {
+    async fn connected(&self) -> RedisResult<MultiplexedConnection> {
+        if let Some(connection) = self.current.lock().expect("sentinel lock").clone() {
+            return Ok(connection);
+        }
+        let connect = async {
+            let primary = self.sentinel.primary().await?;
+            primary
+                .get_multiplexed_async_connection_with_config(&self.sentinel.config)
+                .await
+        };
+        let connection = tokio::time::timeout(self.sentinel.timeout, connect)
+            .await
+            .map_err(|_| timed_out("the primary did not answer"))??;
+        *self.current.lock().expect("sentinel lock") = Some(connection.clone());
+        Ok(connection)
+    }
+
+    /// After `error`, whether to ask the sentinels again: the connection
+    /// broke, or its server is no longer the primary (a demoted one
+    /// answers READONLY to writes; one failing over, MASTERDOWN).
+    fn note(&self, error: &RedisError) {
+        let moved_on = matches!(error.code(), Some("READONLY" | "MASTERDOWN"));
+        if moved_on
+            || error.is_io_error()
+            || error.is_unrecoverable_error()
+            || error.is_connection_dropped()
+            || error.is_timeout()
+        {
+            *self.current.lock().expect("sentinel lock") = None;
+        }
+    }
+
+    /// Asks the server whether it still is the primary (`ROLE`), and if
+    /// not drops the connection: a demoted primary still answers reads,
+    /// from data the promoted replica may not have. Run each heartbeat by
+    /// [`super::RedisStore::keep_connected`].
+    pub(super) async fn check_role(&self) -> RedisResult<Demoted> {
+        // One not made yet will ask the sentinels when it is.
+        let Some(mut connection) = self.current.lock().expect("sentinel lock").clone() else {
+            return Ok(Demoted::No);
+        };
+        let role: redis::Value = redis::cmd("ROLE").query_async(&mut connection).await?;
+        let is_primary = match &role {
+            redis::Value::Array(parts) => matches!(
+                parts.first(),
+                Some(redis::Value::BulkString(role)) if role == b"master"
+            ),
+            _ => false,
+        };
+        if is_primary {
+            return Ok(Demoted::No);
+        }
+        *self.current.lock().expect("sentinel lock") = None;
+        Ok(Demoted::Yes)
+    }
+}
+
+/// Whether [`SentinelConnection::check_role`] found its server demoted.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Demoted {
+    No,
+    /// No longer the primary: the connection was dropped.
+    Yes,
+}
+
+impl std::fmt::Debug for SentinelConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SentinelConnection")
+            .field(
+                "connected",
+                &self.current.lock().expect("sentinel lock").is_some(),
+            )
+            .finish()
+    }
+}
+
+impl ConnectionLike for SentinelConnection {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        command: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        Box::pin(async move {
+            let mut connection = self.connected().await?;
+            let answer = connection.req_packed_command(command).await;
+            if let Err(error) = &answer {
+                self.note(error);
+            }
+            answer
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        Box::pin(async move {
+            let mut connection = self.connected().await?;
+            let answer = connection
+                .req_packed_commands(pipeline, offset, count)
+                .await;
+            if let Err(error) = &answer {
+                self.note(error);
+            }
+            answer
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        self.sentinel.db
+    }
+}
