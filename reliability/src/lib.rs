@@ -6,7 +6,9 @@
 //! - [`checker`]: the linearizability checker of such histories against
 //!   protocol §2's state machine.
 //! - [`runner`]: records histories against the real binary, with SIGKILLs.
-//! - [`failover`]: a Redis Cluster primary SIGKILLed and failed over.
+//! - [`failover`]: a Redis primary (a cluster's, or Sentinel's) SIGKILLed
+//!   and failed over.
+//! - [`delay`]: a forwarder that delays each direction of a store's traffic.
 //! - [`sidecar`]: the binary as a child process, and its `/proc` figures.
 //! - [`h2raw`]: HTTP/2 frames by hand, for clients that misbehave.
 //! - [`hostile`]: hostile clients against a well-behaved one's latency.
@@ -15,6 +17,7 @@
 //! - [`powerloss`]: power cuts on LazyFS under load, then checked.
 
 pub mod checker;
+pub mod delay;
 pub mod failover;
 pub mod h2raw;
 pub mod history;

@@ -4,7 +4,9 @@
 use std::{path::PathBuf, process::ExitCode, time::Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
-use dedupd_reliability::{checker, history, hostile, powerloss, runner, sidecar::Sidecar, soak};
+use dedupd_reliability::{
+    checker, failover, history, hostile, powerloss, runner, sidecar::Sidecar, soak,
+};
 
 #[derive(Debug, Parser)]
 #[command(name = "dedupd-reliability", version)]
@@ -165,7 +167,8 @@ struct LincheckArgs {
     #[arg(long, default_value = "postgres://postgres@127.0.0.1:5432/test")]
     postgres_url: String,
     /// Redis URL (keys go under a fresh prefix); `redis+cluster://h1:p1,…`
-    /// for a Redis Cluster.
+    /// for a Redis Cluster, `redis+sentinel://s1:p1,…/<name>` for the
+    /// primary Sentinel names.
     #[arg(long, default_value = "redis://127.0.0.1:6379/0")]
     redis_url: String,
     /// Redis: the sidecars' --store-replicas (each answer waits for that
@@ -178,6 +181,12 @@ struct LincheckArgs {
     /// PATH.
     #[arg(long, default_value_t = 0)]
     cluster_failovers: usize,
+    /// Redis Sentinel: primaries to SIGKILL and fail over during the run
+    /// (a replica promoted by the sentinels, the old primary started again
+    /// as its replica); the servers must run on this machine, redis-cli and
+    /// redis-server on PATH.
+    #[arg(long, default_value_t = 0)]
+    sentinel_failovers: usize,
     /// Concurrent clients.
     #[arg(long, default_value_t = 16)]
     clients: usize,
@@ -213,6 +222,13 @@ struct LincheckArgs {
     /// the store's as measured, ours the machine's).
     #[arg(long, default_value = "10ms")]
     clock_uncertainty: humantime::Duration,
+    /// Shared stores: per sidecar (as --clock-skews), the delay on its way
+    /// to the store and back, `<to>/<back>` (e.g. `--store-delays
+    /// 40ms/0ms,0ms/40ms`): its reading of the store's clock leans one way
+    /// by half their difference, within the uncertainty its round trip
+    /// shows, so two sidecars decide near opposite ends of the bound.
+    #[arg(long, value_delimiter = ',')]
+    store_delays: Vec<dedupd_reliability::delay::Delays>,
     /// libfaketime, for --clock-skews (Debian's `faketime` package).
     #[arg(
         long,
@@ -566,6 +582,12 @@ async fn lincheck(mut args: LincheckArgs) -> ExitCode {
         args.duration = std::time::Duration::from_secs(8).into();
         args.kills = 1;
     }
+    if !args.store_delays.is_empty() && matches!(args.store, StoreKind::Sled) {
+        eprintln!(
+            "dedupd-reliability: --store-delays needs a shared store (--store postgres or redis)"
+        );
+        return ExitCode::FAILURE;
+    }
     if !args.clock_skews.is_empty() {
         if matches!(args.store, StoreKind::Sled) {
             eprintln!("dedupd-reliability: --clock-skews needs a shared store (--store postgres or redis)");
@@ -620,9 +642,37 @@ async fn lincheck(mut args: LincheckArgs) -> ExitCode {
         eprintln!("dedupd-reliability: --cluster-failovers needs --store redis and a redis+cluster:// --redis-url");
         return ExitCode::FAILURE;
     }
-    if args.cluster_failovers > 0 {
-        // As the README asks: a store call shorter than the cluster's
-        // failover detection (cluster-node-timeout, 5 s in .ci/redis-cluster),
+    // The first sentinel and the primary's name.
+    let sentinel = args
+        .redis_url
+        .strip_prefix("redis+sentinel://")
+        .and_then(|rest| rest.split_once('/'))
+        .and_then(|(hosts, path)| {
+            let first = hosts.rsplit('@').next()?.split(',').next()?;
+            let name = path.split('/').next().filter(|name| !name.is_empty())?;
+            Some((first.to_owned(), name.to_owned()))
+        });
+    if args.sentinel_failovers > 0
+        && (sentinel.is_none() || !matches!(args.store, StoreKind::Redis))
+    {
+        eprintln!("dedupd-reliability: --sentinel-failovers needs --store redis and a redis+sentinel://…/<name> --redis-url");
+        return ExitCode::FAILURE;
+    }
+    let store_failovers = match (cluster_seed, sentinel) {
+        (Some(seed), _) if args.cluster_failovers > 0 => {
+            Some((failover::Target::Cluster { seed }, args.cluster_failovers))
+        }
+        (_, Some((sentinel, name))) if args.sentinel_failovers > 0 => Some((
+            failover::Target::Sentinel { sentinel, name },
+            args.sentinel_failovers,
+        )),
+        _ => None,
+    };
+    let failovers_asked = store_failovers.as_ref().map_or(0, |(_, count)| *count);
+    if store_failovers.is_some() {
+        // As the README asks: a store call shorter than the failover's
+        // detection (cluster-node-timeout, 5 s in .ci/redis-cluster;
+        // down-after-milliseconds, 1 s in .ci/redis-sentinel),
         // so a call that meets a failover is answered UNAVAILABLE well within
         // the clients' 5 s, not left to their deadline.
         store_flags.extend(["--store-timeout".to_owned(), "1500ms".to_owned()]);
@@ -635,8 +685,17 @@ async fn lincheck(mut args: LincheckArgs) -> ExitCode {
                 "--max-clock-uncertainty".to_owned(),
                 args.clock_uncertainty.to_string(),
             ]);
+            // A sidecar's time is an interval [earliest, latest] around the
+            // store's, each side up to the uncertainty from its estimate:
+            // so a moment it reports (a lease's end from `latest`, the
+            // time left from `earliest`) lies up to twice the uncertainty
+            // from the true one, plus a millisecond of rounding. (With the
+            // uncertainty alone, a debug run with slow round trips found
+            // IN_PROGRESS answers whose time left ran 11 ms past the lease.)
             u64::try_from(std::time::Duration::from(args.clock_uncertainty).as_millis())
-                .unwrap_or(u64::MAX)
+                .unwrap_or(u64::MAX / 4)
+                .saturating_mul(2)
+                .saturating_add(1)
         }
     };
     let config = runner::RunConfig {
@@ -653,13 +712,12 @@ async fn lincheck(mut args: LincheckArgs) -> ExitCode {
         seed,
         clock_skews: args.clock_skews.clone(),
         libfaketime: Some(args.libfaketime.clone()),
-        cluster_failovers: cluster_seed
-            .filter(|_| args.cluster_failovers > 0)
-            .map(|seed| (seed, args.cluster_failovers)),
+        store_failovers,
+        store_delays: args.store_delays.clone(),
     };
     let run = runner::run(config).await;
     drop_shared_records(&args, &scope);
-    let sidecar_logs: Vec<String> = (0..args.clock_skews.len().max(1))
+    let sidecar_logs: Vec<String> = (0..args.clock_skews.len().max(args.store_delays.len()).max(1))
         .map(|index| format!("sidecar-{index}/log"))
         .collect();
     let contents = "sidecar-N/log: every start of sidecar N; sidecar-N/data/";
@@ -678,8 +736,9 @@ async fn lincheck(mut args: LincheckArgs) -> ExitCode {
     let committed_after_failovers = run.committed_after_failovers();
     let figures = serde_json::json!({
         "store": format!("{:?}", args.store).to_lowercase(),
-        "sidecars": args.clock_skews.len().max(1),
+        "sidecars": args.clock_skews.len().max(args.store_delays.len()).max(1),
         "clock_skews": args.clock_skews,
+        "store_delays": args.store_delays.iter().map(|delays| format!("{:?}/{:?}", delays.to_store, delays.from_store)).collect::<Vec<_>>(),
         "clock_tolerance_ms": clock_tolerance_ms,
         "seed": seed,
         "clients": args.clients,
@@ -741,11 +800,11 @@ async fn lincheck(mut args: LincheckArgs) -> ExitCode {
         );
         failed = true;
     }
-    if run.failovers.len() != args.cluster_failovers {
+    if run.failovers.len() != failovers_asked {
         eprintln!(
             "dedupd-reliability: {} of {} failovers done",
             run.failovers.len(),
-            args.cluster_failovers
+            failovers_asked
         );
         failed = true;
     }
@@ -834,6 +893,9 @@ fn drop_shared_records(args: &LincheckArgs, scope: &str) {
         // touch together: they expire by themselves (the records at the
         // end of their retention, the fence keys 10 s after use).
         StoreKind::Redis if args.redis_url.starts_with("redis+cluster://") => return,
+        // Through Sentinel the primary moved during the run: the records
+        // expire by themselves.
+        StoreKind::Redis if args.redis_url.starts_with("redis+sentinel://") => return,
         StoreKind::Redis => std::process::Command::new("redis-cli")
             .args(["-u", args.redis_url.as_str(), "EVAL"])
             .arg("for _, key in ipairs(redis.call('KEYS', ARGV[1])) do redis.call('DEL', key) end")

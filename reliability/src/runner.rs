@@ -102,10 +102,14 @@ pub struct RunConfig {
     pub clock_skews: Vec<String>,
     /// libfaketime's `libfaketimeMT.so.1`, for `clock_skews`.
     pub libfaketime: Option<PathBuf>,
-    /// A Redis Cluster node (`host:port`) and how many of its primaries to
-    /// fail over during the run ([`crate::failover`]), spaced between the
-    /// sidecars' SIGKILLs.
-    pub cluster_failovers: Option<(String, usize)>,
+    /// Where to fail a Redis primary over (a cluster's, or Sentinel's) and
+    /// how many times during the run ([`crate::failover`]), spaced between
+    /// the sidecars' SIGKILLs.
+    pub store_failovers: Option<(crate::failover::Target, usize)>,
+    /// Per sidecar (by index, as `clock_skews`): delays on its way to the
+    /// shared store and back ([`crate::delay`]), through a forwarder of
+    /// its own; empty: none.
+    pub store_delays: Vec<crate::delay::Delays>,
 }
 
 /// A recorded run.
@@ -293,7 +297,12 @@ struct Sidecar {
 }
 
 /// Starts sidecar number `index` (its own files, its clock skew if any).
-async fn start(config: &RunConfig, index: usize, port: u16) -> Result<Sidecar, String> {
+async fn start(
+    config: &RunConfig,
+    store_flags: &[String],
+    index: usize,
+    port: u16,
+) -> Result<Sidecar, String> {
     let home = config.data_dir.join(format!("sidecar-{index}"));
     std::fs::create_dir_all(&home).map_err(|e| e.to_string())?;
     let ready = home.join("ready.json");
@@ -335,7 +344,7 @@ async fn start(config: &RunConfig, index: usize, port: u16) -> Result<Sidecar, S
         .arg(home.join("data"))
         .arg("--ready-file")
         .arg(&ready)
-        .args(&config.store_flags)
+        .args(store_flags)
         .stdout(Stdio::null())
         .stderr(log_file)
         .kill_on_drop(true)
@@ -397,15 +406,39 @@ async fn readyz_ok(ready: &std::path::Path) -> bool {
 /// Runs the clients and the killer; returns the history.
 pub async fn run(config: RunConfig) -> Result<Run, String> {
     std::fs::create_dir_all(&config.data_dir).map_err(|e| e.to_string())?;
-    let count = config.clock_skews.len().max(1);
+    let count = config
+        .clock_skews
+        .len()
+        .max(config.store_delays.len())
+        .max(1);
+    // Each sidecar's store flags: its --store-url through its delaying
+    // forwarder, if it has delays.
+    let mut forwarders = Vec::new();
+    let mut flags = Vec::with_capacity(count);
+    for index in 0..count {
+        let mut own = config.store_flags.clone();
+        if let Some(delays) = config.store_delays.get(index) {
+            let url = own
+                .iter()
+                .position(|flag| flag == "--store-url")
+                .map(|at| at + 1)
+                .filter(|at| *at < own.len())
+                .ok_or("--store-delays needs a shared store")?;
+            let (before, port, after) = loopback_port(&own[url])?;
+            let (through, task) = crate::delay::start(port, *delays).await?;
+            own[url] = format!("{before}127.0.0.1:{through}{after}");
+            forwarders.push(task);
+        }
+        flags.push(own);
+    }
     let mut ports = Vec::with_capacity(count);
     let mut sidecars = Vec::with_capacity(count);
-    for index in 0..count {
+    for (index, own) in flags.iter().enumerate() {
         let port = {
             let probe = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
             probe.local_addr().map_err(|e| e.to_string())?.port()
         };
-        sidecars.push(start(&config, index, port).await?);
+        sidecars.push(start(&config, own, index, port).await?);
         ports.push(port);
     }
     let history = Arc::new(Mutex::new(Vec::new()));
@@ -415,7 +448,7 @@ pub async fn run(config: RunConfig) -> Result<Run, String> {
     let (deadline, latest) = (started + config.duration, started + config.duration * 3);
     // While failovers are due, and for AFTER_FAILOVER past the last one's
     // window, the clients go on (up to `latest`).
-    let hold_until_ms = Arc::new(AtomicU64::new(if config.cluster_failovers.is_some() {
+    let hold_until_ms = Arc::new(AtomicU64::new(if config.store_failovers.is_some() {
         u64::MAX
     } else {
         0
@@ -465,7 +498,7 @@ pub async fn run(config: RunConfig) -> Result<Run, String> {
             Ok::<(), String>(())
         });
     }
-    let failovers = config.cluster_failovers.clone().map(|(seed, count)| {
+    let failovers = config.store_failovers.clone().map(|(target, count)| {
         let duration = config.duration;
         let hold_until_ms = Arc::clone(&hold_until_ms);
         tokio::spawn(async move {
@@ -473,8 +506,7 @@ pub async fn run(config: RunConfig) -> Result<Run, String> {
             for failover in 1..=count {
                 let at = started + duration.mul_f64((failover as f64 - 0.5) / (count + 1) as f64);
                 tokio::time::sleep_until(at.into()).await;
-                let outcome =
-                    crate::failover::fail_over_a_primary(&seed, Duration::from_secs(60)).await;
+                let outcome = target.fail_over(Duration::from_secs(60)).await;
                 let Ok(failover) = outcome else {
                     hold_until_ms.store(0, SeqCst);
                     return outcome.map(|_| done);
@@ -506,7 +538,7 @@ pub async fn run(config: RunConfig) -> Result<Run, String> {
             .map_err(|e| format!("SIGKILL: {e}"))?;
         let _ = sidecar.child.wait().await;
         let down = Instant::now();
-        *sidecar = start(&config, victim, ports[victim]).await?;
+        *sidecar = start(&config, &flags[victim], victim, ports[victim]).await?;
         downtime += down.elapsed();
         kill_windows.push((window_from, now_ceil_ms() + KILL_SETTLE.as_millis() as u64));
         kills += 1;
@@ -522,6 +554,9 @@ pub async fn run(config: RunConfig) -> Result<Run, String> {
         None => Vec::new(),
     };
     drop(sidecars);
+    for forwarder in forwarders {
+        forwarder.abort();
+    }
     let history = std::mem::take(&mut *history.lock().expect("history lock"));
     let errors = std::mem::take(&mut *errors.lock().expect("errors lock"));
     Ok(Run {
@@ -805,4 +840,20 @@ impl Client {
             }
         })
     }
+}
+
+/// A store URL that names `127.0.0.1:<port>` split around it: what comes
+/// before the host, the port, and what follows it.
+fn loopback_port(url: &str) -> Result<(&str, u16, &str), String> {
+    let at = url
+        .find("127.0.0.1:")
+        .ok_or_else(|| format!("--store-delays needs a store at 127.0.0.1, not {url}"))?;
+    let from = at + "127.0.0.1:".len();
+    let digits = url[from..]
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or(url.len(), |end| from + end);
+    let port = url[from..digits]
+        .parse()
+        .map_err(|_| format!("no port after 127.0.0.1 in {url}"))?;
+    Ok((&url[..at], port, &url[digits..]))
 }

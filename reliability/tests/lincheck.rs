@@ -508,7 +508,8 @@ async fn a_real_history_on_sled_with_a_kill_is_linearizable() {
         seed: rand::random(),
         clock_skews: Vec::new(),
         libfaketime: None,
-        cluster_failovers: None,
+        store_failovers: None,
+        store_delays: Vec::new(),
     })
     .await
     .expect("the run");
