@@ -40,7 +40,7 @@ use crate::{
 
 /// Claims whose answers were lost that are given back at once (more are
 /// left to their leases).
-pub(super) const ORPHANS: usize = 64;
+pub(super) const ORPHANS: usize = 256;
 /// How long a claim whose answer was lost is looked for, at least.
 const ORPHAN_PATIENCE: Duration = Duration::from_secs(60);
 
@@ -311,6 +311,9 @@ impl<S: Store> Proxy<S> {
                         Ok(record) => record,
                         Err(error) if error.may_pass() => {
                             tracing::debug!(%error, "orphaned claim: the store still fails");
+                            if proxy.tasks.is_closed() {
+                                return;
+                            }
                             continue;
                         }
                         Err(error) => {
@@ -350,13 +353,22 @@ impl<S: Store> Proxy<S> {
                         proxy
                             .unknown_outcome(key, token, reason.into(), Protocol::Http)
                             .await;
-                    } else if proxy.release(key, token).await {
+                        return;
+                    }
+                    if proxy.release(key, token).await {
                         tracing::info!(
                             "a claim whose answer the store lost was released; the request \
                              was never sent"
                         );
                     }
-                    return;
+                    // The claim was sent again with the same request ID
+                    // while the store failed: a copy still on its way can
+                    // land on the released record and claim it afresh, so
+                    // it is looked for still.
+                    looked = true;
+                    if proxy.tasks.is_closed() {
+                        return;
+                    }
                 }
                 if !looked {
                     tracing::warn!(

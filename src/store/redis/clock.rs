@@ -40,7 +40,9 @@ impl TimeSource for RedisStore {
             // that names a key of the slot, any node but the slot's
             // primary answers MOVED, which the client follows.
             let mut time = redis::cmd("EVAL");
-            time.arg(TIME_SCRIPT).arg(1).arg(key);
+            time.arg(TIME_SCRIPT)
+                .arg(1)
+                .arg(format!("{}:clock:{key}", self.inner.prefix));
             match self.time_from(time, primary).await {
                 Err(Error::Unavailable(error)) => {
                     tracing::debug!(%error, slot, "the primary of a slot did not tell the time");
@@ -56,11 +58,14 @@ impl TimeSource for RedisStore {
 /// The slots whose primaries tell a cluster's time, in order of preference.
 const CLOCK_SLOTS: [u16; 3] = [0, 8192, 16383];
 
-/// `TIME` in a script that may run where writes are refused (a full
-/// Redis), naming a key so that only its slot's primary runs it.
-const TIME_SCRIPT: &str = "#!lua flags=no-writes\nreturn redis.call('TIME')";
+/// `TIME` in a script naming a key (`<prefix>:clock:{<n>}`, within the
+/// keys an ACL grants dedupd, never written), so that only its slot's
+/// primary runs it. Without flags (a script as before Redis 7), it runs at
+/// `maxmemory` too: only a write would be refused.
+const TIME_SCRIPT: &str = "return redis.call('TIME')";
 
-/// A key in each of [`CLOCK_SLOTS`]: the first `{<n>}` that hashes there.
+/// A hash tag for each of [`CLOCK_SLOTS`]: the first `{<n>}` that hashes
+/// there.
 static CLOCK_KEYS: std::sync::LazyLock<Vec<String>> = std::sync::LazyLock::new(|| {
     CLOCK_SLOTS
         .iter()
@@ -112,7 +117,7 @@ mod tests {
     fn each_clock_key_lies_in_its_slot() {
         for (slot, key) in CLOCK_SLOTS.iter().zip(CLOCK_KEYS.iter()) {
             assert_eq!(
-                Route::with_key(key, SlotAddr::Master),
+                Route::with_key(format!("dedupd:clock:{key}"), SlotAddr::Master),
                 Route::new(*slot, SlotAddr::Master),
                 "{key}"
             );

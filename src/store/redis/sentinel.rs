@@ -109,6 +109,12 @@ impl Sentinel {
     }
 }
 
+/// Whether `value` is an error reply saying the server is no longer (or
+/// not yet) the primary.
+fn server_moved_on(value: &redis::Value) -> bool {
+    matches!(value, redis::Value::ServerError(error) if matches!(error.code(), "READONLY" | "MASTERDOWN"))
+}
+
 fn timed_out(what: &'static str) -> RedisError {
     RedisError::from(std::io::Error::new(std::io::ErrorKind::TimedOut, what))
 }
@@ -151,6 +157,15 @@ impl SentinelConnection {
             || error.is_connection_dropped()
             || error.is_timeout()
         {
+            *self.current.lock().expect("sentinel lock") = None;
+        }
+    }
+
+    /// [`SentinelConnection::note`] for errors that come back as answers:
+    /// redis-rs hands a server's error reply (READONLY from a demoted
+    /// primary) to the caller as a value, turned into an error only later.
+    fn note_answer(&self, values: &[redis::Value]) {
+        if values.iter().any(server_moved_on) {
             *self.current.lock().expect("sentinel lock") = None;
         }
     }
@@ -207,8 +222,9 @@ impl ConnectionLike for SentinelConnection {
         Box::pin(async move {
             let mut connection = self.connected().await?;
             let answer = connection.req_packed_command(command).await;
-            if let Err(error) = &answer {
-                self.note(error);
+            match &answer {
+                Err(error) => self.note(error),
+                Ok(value) => self.note_answer(std::slice::from_ref(value)),
             }
             answer
         })
@@ -225,8 +241,9 @@ impl ConnectionLike for SentinelConnection {
             let answer = connection
                 .req_packed_commands(pipeline, offset, count)
                 .await;
-            if let Err(error) = &answer {
-                self.note(error);
+            match &answer {
+                Err(error) => self.note(error),
+                Ok(values) => self.note_answer(values),
             }
             answer
         })
@@ -234,5 +251,27 @@ impl ConnectionLike for SentinelConnection {
 
     fn get_db(&self) -> i64 {
         self.sentinel.db
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What redis-rs hands back for a server's error line.
+    fn reply(line: &[u8]) -> redis::Value {
+        redis::parse_redis_value(line).expect("a RESP reply")
+    }
+
+    #[test]
+    fn a_demoted_or_failing_over_primarys_replies_are_told_apart() {
+        assert!(server_moved_on(&reply(
+            b"-READONLY You can't write against a read only replica.\r\n"
+        )));
+        assert!(server_moved_on(&reply(
+            b"-MASTERDOWN Link with MASTER is down\r\n"
+        )));
+        assert!(!server_moved_on(&reply(b"-ERR unknown command\r\n")));
+        assert!(!server_moved_on(&reply(b"+OK\r\n")));
     }
 }
