@@ -99,15 +99,7 @@ async fn an_unreachable_redis_is_unavailable_and_recovers_by_itself() {
     forwarder.cut();
     let dir = tempfile::tempdir().unwrap();
     let clock = dedupd::clock::ManualClock::new(START);
-    let store = RedisStore::new(
-        &dedupd::store::redis::RedisConfig {
-            url: redis::url_via(forwarder.port),
-            timeout: Duration::from_secs(1),
-            ..redis::config(&prefix)
-        },
-        Arc::new(clock.clone()) as Arc<dyn Clock>,
-    )
-    .unwrap();
+    let store = redis::store_via(forwarder.port, &prefix, Arc::new(clock.clone()));
     let _reconnect = store.keep_connected();
     let tiered = Tiered::open(
         Arc::new(store),
@@ -477,15 +469,7 @@ async fn a_deletion_feed_left_on_an_old_primary_ends() {
     let prefix = redis::fresh_prefix();
     let forwarder = Forwarder::start(redis::port()).await;
     let clock = dedupd::clock::ManualClock::new(START);
-    let store = RedisStore::new(
-        &dedupd::store::redis::RedisConfig {
-            url: redis::url_via(forwarder.port),
-            timeout: Duration::from_secs(1),
-            ..redis::config(&prefix)
-        },
-        Arc::new(clock) as Arc<dyn Clock>,
-    )
-    .unwrap();
+    let store = redis::store_via(forwarder.port, &prefix, Arc::new(clock));
     let mut feed = store.subscribe().await.expect("subscribed");
     // The subscription is connection 0 (the feed's first probe may have
     // made a data connection already).

@@ -88,6 +88,20 @@ pub fn config(prefix: &str) -> RedisConfig {
     }
 }
 
+/// A store under `prefix` reaching the tests' Redis through `port` on
+/// 127.0.0.1 (a forwarder), calls bounded at 1 s; nothing contacted yet.
+pub fn store_via(port: u16, prefix: &str, clock: Arc<dyn Clock>) -> RedisStore {
+    RedisStore::new(
+        &RedisConfig {
+            url: url_via(port),
+            timeout: Duration::from_secs(1),
+            ..config(prefix)
+        },
+        clock,
+    )
+    .unwrap()
+}
+
 /// A store under `prefix`, Redis checked to answer.
 pub async fn store(prefix: &str, clock: Arc<dyn Clock>) -> RedisStore {
     let store = RedisStore::new(&config(prefix), clock).expect("store");
