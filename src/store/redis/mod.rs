@@ -465,17 +465,25 @@ impl RedisStore {
     /// answering reads) is dropped, and made again to the one the
     /// sentinels name.
     async fn check_roles(&self) {
-        for connection in self.inner.connections.iter().chain(&self.inner.fences) {
-            let Connection::Sentinel(connection) = connection else {
-                continue;
-            };
-            match tokio::time::timeout(self.inner.timeout, connection.check_role()).await {
-                Ok(Ok(sentinel::Demoted::Yes)) => tracing::warn!(
+        // All at once: one at a time, a silent server would hold the
+        // heartbeat (and its health checks) for a timeout per connection.
+        let checks = self
+            .inner
+            .connections
+            .iter()
+            .chain(&self.inner.fences)
+            .filter_map(|connection| match connection {
+                Connection::Sentinel(connection) => Some(connection.check_role()),
+                _ => None,
+            });
+        for checked in futures_util::future::join_all(checks).await {
+            match checked {
+                Ok(sentinel::Demoted::Yes) => tracing::warn!(
                     "Redis: a connection's server is no longer the primary; following the \
                      sentinels to the new one"
                 ),
-                Ok(Err(error)) => tracing::debug!(%error, "Redis: cannot ask for the role"),
-                Ok(Ok(sentinel::Demoted::No)) | Err(_) => {}
+                Err(error) => tracing::debug!(%error, "Redis: cannot ask for the role"),
+                Ok(sentinel::Demoted::No) => {}
             }
         }
     }

@@ -179,7 +179,25 @@ impl SentinelConnection {
         let Some(mut connection) = self.current.lock().expect("sentinel lock").clone() else {
             return Ok(Demoted::No);
         };
-        let role: redis::Value = redis::cmd("ROLE").query_async(&mut connection).await?;
+        // A server gone silent (its host down, no reset) answers nothing:
+        // calls on it time out without a word that would drop it, so the
+        // role check drops it, and the next call asks the sentinels.
+        let asked = tokio::time::timeout(
+            self.sentinel.timeout,
+            redis::cmd("ROLE").query_async::<redis::Value>(&mut connection),
+        )
+        .await;
+        let role = match asked {
+            Ok(Ok(role)) => role,
+            Ok(Err(error)) => {
+                self.note(&error);
+                return Err(error);
+            }
+            Err(_) => {
+                *self.current.lock().expect("sentinel lock") = None;
+                return Err(timed_out("the primary did not answer ROLE"));
+            }
+        };
         let is_primary = match &role {
             redis::Value::Array(parts) => matches!(
                 parts.first(),
