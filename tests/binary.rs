@@ -373,7 +373,7 @@ fn bad_configuration_exits_64_with_one_line_before_touching_anything() {
                 "postgres://app:s3cret@db/x",
             ],
             vec![],
-            "is not a redis://, rediss://, redis+cluster:// or rediss+cluster:// URL",
+            "is not a redis://, rediss://, redis+cluster://, rediss+cluster://, redis+sentinel:// or rediss+sentinel:// URL",
         ),
         (
             vec![
