@@ -294,23 +294,39 @@ fn reads_only(operation: &Operation) -> bool {
 /// The models an operation can leave behind, from `model`, given what it
 /// answered; empty when the answer is impossible here.
 fn step(model: &Model, operation: &Operation, clock_tolerance_ms: u64) -> Vec<Model> {
-    // The moment on the sidecar's clock: within the call, give or take how
-    // far that clock may be off ours.
-    let (from, to) = (
-        operation.invoked_ms.saturating_sub(clock_tolerance_ms),
-        operation.completed_ms.saturating_add(clock_tolerance_ms),
-    );
+    let (invoked, completed) = (operation.invoked_ms, operation.completed_ms);
+    // On a shared store a sidecar's time is an interval around the store's
+    // (the recording clock here), at most `clock_tolerance_ms` wide: it
+    // sets ends from its `latest` — not before the call, up to the
+    // tolerance after it — and counts time left from its `earliest` — up
+    // to the tolerance before the call, not after it (1 ms of rounding
+    // either way). Each is checked on its own side, so an engine that took
+    // the wrong end would show.
+    let rounding = clock_tolerance_ms.min(1);
+    let moments = Moments {
+        latest: (
+            invoked.saturating_sub(rounding),
+            completed.saturating_add(clock_tolerance_ms),
+        ),
+        earliest: (
+            invoked.saturating_sub(clock_tolerance_ms),
+            completed.saturating_add(rounding),
+        ),
+        by: completed.saturating_add(rounding),
+    };
     match (&operation.call, &operation.answer) {
         (call, Answer::Unknown) => {
             // It happened (at some moment in [from, to]) or it did not.
+            let (from, to) = (moments.earliest.0, moments.latest.1);
             let mut models = vec![model.clone()];
             models.extend(unanswered(model, call, from, to));
             models
         }
-        (Call::Claim { lease_ms }, answer) => claim(model, *lease_ms, from, to, answer),
+        (Call::Claim { lease_ms }, answer) => claim(model, *lease_ms, &moments, answer),
         (Call::Commit { token }, answer) => commit(model, *token, answer).into_iter().collect(),
         (Call::Release { token }, answer) => release(model, *token, answer).into_iter().collect(),
         (Call::Renew { token, lease_ms }, answer) => {
+            let (from, to) = moments.latest;
             renew(model, *token, *lease_ms, from, to, answer)
                 .into_iter()
                 .collect()
@@ -323,8 +339,18 @@ fn holds(rec: &Rec, token: Token) -> bool {
     rec.holder == Holder::Known(token)
 }
 
-/// A Claim at some moment t in [from, to].
-fn claim(model: &Model, lease_ms: u64, from: u64, to: u64, answer: &Answer) -> Vec<Model> {
+/// Where an operation's moments may lie (see [`step`]).
+struct Moments {
+    /// Its `latest`, which new ends are set from.
+    latest: (u64, u64),
+    /// Its `earliest`, which time left is counted from.
+    earliest: (u64, u64),
+    /// By when, on the store's clock, it had happened.
+    by: u64,
+}
+
+/// A Claim at some moment in the call.
+fn claim(model: &Model, lease_ms: u64, moments: &Moments, answer: &Answer) -> Vec<Model> {
     match answer {
         Answer::Claimed {
             token,
@@ -333,19 +359,22 @@ fn claim(model: &Model, lease_ms: u64, from: u64, to: u64, answer: &Answer) -> V
             recovered,
             lease_expires_ms,
         } => {
-            // The sidecar's clock said t = lease end - lease.
+            // The sidecar's `latest` said t = lease end - lease.
             let Some(t) = lease_expires_ms.checked_sub(lease_ms) else {
                 return vec![];
             };
-            if t < from || t > to {
+            if t < moments.latest.0 || t > moments.latest.1 {
                 return vec![];
             }
             let (previous_attempt, floor, was_claimed) = match model {
                 None => (0, 0, false),
                 Some(rec) => match rec.state {
                     State::Committed => return vec![],
-                    // Claimable only once the lease has run out by t.
-                    State::Claimed if rec.lease_lo > t => return vec![],
+                    // Claimable only once the lease has run out, on the
+                    // store's clock, by the time the call ended.
+                    State::Claimed if rec.lease_lo > t || rec.lease_lo > moments.by => {
+                        return vec![]
+                    }
                     State::Claimed => (rec.attempt, rec.fencing.floor(), true),
                     State::Released => (rec.attempt, rec.fencing.floor(), false),
                 },
@@ -377,9 +406,10 @@ fn claim(model: &Model, lease_ms: u64, from: u64, to: u64, answer: &Answer) -> V
             _ => vec![],
         },
         Answer::InProgress { retry_after_ms } => match model {
-            // Held at t, with lease end = t + retry_after for a t in
-            // [from, to]: narrow what is known of the lease's end.
+            // Held at `earliest` = t, with lease end = t + retry_after:
+            // narrow what is known of the lease's end.
             Some(rec) if rec.state == State::Claimed => {
+                let (from, to) = moments.earliest;
                 let lo = rec.lease_lo.max(from + retry_after_ms);
                 let hi = rec.lease_hi.min(to + retry_after_ms);
                 if lo > hi || *retry_after_ms == 0 {

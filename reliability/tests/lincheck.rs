@@ -122,6 +122,49 @@ fn two_holders_at_once_are_caught() {
     assert!(linearizable(&history));
 }
 
+/// On a shared store a sidecar's time is an interval up to the tolerance
+/// wide: a takeover whose `latest` is past the old lease while the call
+/// ended before it (an engine deciding by the wrong end) is caught, and so
+/// is time left counted past the lease from a `latest`; the right ends,
+/// however far apart, pass.
+#[test]
+fn a_sidecar_deciding_by_the_wrong_end_of_its_interval_is_caught() {
+    let tolerance = 21;
+    let tolerant = |history: &[Operation]| {
+        dedupd_reliability::checker::check_tolerating(history, tolerance)
+            .violations
+            .is_empty()
+    };
+    // The first lease ends at 111. A takeover decided at `latest` = 115
+    // by a call that ended at 105: on the store's clock the lease still
+    // ran — two holders (it would pass a tolerance applied to both sides).
+    let wrong = [
+        op(0, LEASE, 10, 12, claimed(7, 1, 1, false, 111)),
+        op(1, LEASE, 100, 105, claimed(8, 2, 2, true, 215)),
+    ];
+    assert!(!tolerant(&wrong));
+    // The same takeover by a call that ended after 111, `latest` up to
+    // the tolerance later: fine.
+    let right = [
+        op(0, LEASE, 10, 12, claimed(7, 1, 1, false, 111)),
+        op(1, LEASE, 108, 112, claimed(8, 2, 2, true, 230)),
+    ];
+    assert!(tolerant(&right));
+    // IN_PROGRESS with time left counted from `earliest` (here 36, up to
+    // the tolerance before the call): fine; counted from a `latest` after
+    // the call (71), it puts the lease's end before 111: caught.
+    let earliest = [
+        op(0, LEASE, 10, 12, claimed(7, 1, 1, false, 111)),
+        op(1, LEASE, 50, 52, Answer::InProgress { retry_after_ms: 75 }),
+    ];
+    assert!(tolerant(&earliest));
+    let latest = [
+        op(0, LEASE, 10, 12, claimed(7, 1, 1, false, 111)),
+        op(1, LEASE, 50, 52, Answer::InProgress { retry_after_ms: 40 }),
+    ];
+    assert!(!tolerant(&latest));
+}
+
 #[test]
 fn a_lost_commit_is_caught() {
     // Committed (acknowledged), then the key is claimable again: the
