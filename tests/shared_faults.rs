@@ -921,8 +921,9 @@ async fn until(what: &str, within: Duration, mut check: impl AsyncFnMut() -> boo
     }
 }
 
-/// Issue 41: Redis Sentinel. A primary with two replicas, three sentinels,
-/// a sidecar given only the sentinels (`redis+sentinel://…/dedupd`) with
+/// Issue 41: Redis Sentinel. A primary with two replicas, three sentinels
+/// (and, listed first, a fourth address that has gone silent), a sidecar
+/// given only the sentinels (`redis+sentinel://…/dedupd`) with
 /// `--store-replicas 1`. The primary is SIGKILLed; the sentinels promote a
 /// replica; the sidecar follows them to it by itself: every commit it
 /// acknowledged before is still a DUPLICATE, and new claims and commits go
@@ -968,8 +969,13 @@ async fn a_sentinel_failover_is_followed_and_loses_no_acknowledged_commit() {
         )
         .await;
     }
+    // The first sentinel listed is one whose host went silent (no reset):
+    // it must not hold up every lookup of the primary.
+    let silent = Forwarder::start(sentinels[0].port).await;
+    silent.silence();
     let url = format!(
-        "redis+sentinel://{}/dedupd",
+        "redis+sentinel://127.0.0.1:{},{}/dedupd",
+        silent.port,
         sentinels
             .iter()
             .map(|sentinel| format!("127.0.0.1:{}", sentinel.port))

@@ -4,7 +4,10 @@
 //! follows a failover without a fixed address in between.
 
 use std::{
-    sync::{Arc, Mutex},
+    sync::{
+        atomic::{AtomicUsize, Ordering::Relaxed},
+        Arc, Mutex,
+    },
     time::Duration,
 };
 
@@ -18,10 +21,15 @@ use super::config::SentinelTarget;
 
 /// How to ask the sentinels for the primary; shared by every connection.
 pub(super) struct Sentinel {
-    /// A fresh Sentinel client per lookup: redis-rs's needs `&mut` for
-    /// one, and lookups are rare (a connection's first use, and after a
-    /// failure), so none is shared under a lock.
-    build: Box<dyn Fn() -> RedisResult<SentinelClient> + Send + Sync>,
+    /// A fresh Sentinel client per lookup, asking the one sentinel given
+    /// by its index: redis-rs's needs `&mut` for one, and lookups are rare
+    /// (a connection's first use, and after a failure), so none is shared
+    /// under a lock.
+    build: Box<dyn Fn(usize) -> RedisResult<SentinelClient> + Send + Sync>,
+    /// How many sentinels there are, and which one a lookup asks first
+    /// (each lookup starts one further on).
+    sentinels: usize,
+    next: AtomicUsize,
     /// Each connection's timeouts (a lookup and a connection attempt are
     /// bounded by `timeout` together).
     config: AsyncConnectionConfig,
@@ -53,12 +61,13 @@ impl Sentinel {
             .clone();
         let addresses: Vec<_> = infos.iter().map(|info| info.addr().clone()).collect();
         let (name, tls, db) = (target.master.clone(), target.tls, target.db);
-        let build = move || {
-            let mut builder =
-                SentinelClientBuilder::new(addresses.clone(), &name, SentinelServerType::Master)?
-                    .set_client_to_redis_db(db)
-                    .set_client_to_redis_tcp_settings(tcp.clone())
-                    .set_client_to_sentinel_tcp_settings(tcp.clone());
+        let sentinels = addresses.len();
+        let build = move |index: usize| {
+            let asked = [addresses[index % addresses.len()].clone()];
+            let mut builder = SentinelClientBuilder::new(asked, &name, SentinelServerType::Master)?
+                .set_client_to_redis_db(db)
+                .set_client_to_redis_tcp_settings(tcp.clone())
+                .set_client_to_sentinel_tcp_settings(tcp.clone());
             if let Some(username) = first.username() {
                 builder = builder
                     .set_client_to_redis_username(username)
@@ -80,9 +89,11 @@ impl Sentinel {
             builder.build()
         };
         // Built once here, so a bad combination is an error at start.
-        build()?;
+        build(0)?;
         Ok(Arc::new(Sentinel {
             build: Box::new(build),
+            sentinels,
+            next: AtomicUsize::new(0),
             config: AsyncConnectionConfig::new()
                 .set_connection_timeout(Some(timeout))
                 .set_response_timeout(Some(timeout)),
@@ -92,12 +103,25 @@ impl Sentinel {
     }
 
     /// A client for the server the sentinels name as the primary now (one
-    /// that says it is, asked by redis-rs before it is returned).
+    /// that says it is, asked by redis-rs before it is returned). The
+    /// sentinels are asked one at a time, each for its share of the
+    /// timeout, starting one further on each lookup: redis-rs asks them in
+    /// order and waits on one that went silent (its host down, no reset)
+    /// with no timeout of its own, so the others would never be heard.
     pub(super) async fn primary(&self) -> RedisResult<redis::Client> {
-        let mut client = (self.build)()?;
-        tokio::time::timeout(self.timeout, client.async_get_client())
-            .await
-            .map_err(|_| timed_out("the sentinels did not name the primary"))?
+        let first = self.next.fetch_add(1, Relaxed);
+        let share = (self.timeout / u32::try_from(self.sentinels).unwrap_or(u32::MAX))
+            .max(Duration::from_millis(100));
+        let mut failed = timed_out("no sentinel named the primary");
+        for turn in 0..self.sentinels {
+            let mut client = (self.build)(first + turn)?;
+            match tokio::time::timeout(share, client.async_get_client()).await {
+                Ok(Ok(primary)) => return Ok(primary),
+                Ok(Err(error)) => failed = error,
+                Err(_) => failed = timed_out("a sentinel did not name the primary in time"),
+            }
+        }
+        Err(failed)
     }
 
     /// One connection of the store's pool, through these sentinels.
