@@ -128,7 +128,7 @@ impl Sentinel {
     pub(super) fn connection(self: &Arc<Self>) -> SentinelConnection {
         SentinelConnection {
             sentinel: Arc::clone(self),
-            current: Arc::new(Mutex::new(None)),
+            current: Arc::new(Mutex::new(Current::default())),
         }
     }
 }
@@ -149,13 +149,23 @@ fn timed_out(what: &'static str) -> RedisError {
 #[derive(Clone)]
 pub struct SentinelConnection {
     sentinel: Arc<Sentinel>,
-    current: Arc<Mutex<Option<MultiplexedConnection>>>,
+    current: Arc<Mutex<Current>>,
+}
+
+/// The connection in use, numbered: a failure seen on one connection drops
+/// that one only, never a newer one another task has made since.
+#[derive(Default)]
+struct Current {
+    generation: u64,
+    connection: Option<MultiplexedConnection>,
 }
 
 impl SentinelConnection {
-    async fn connected(&self) -> RedisResult<MultiplexedConnection> {
-        if let Some(connection) = self.current.lock().expect("sentinel lock").clone() {
-            return Ok(connection);
+    /// The connection in use and its number, made (the primary asked for)
+    /// if there is none.
+    async fn connected(&self) -> RedisResult<(u64, MultiplexedConnection)> {
+        if let Some(in_use) = self.in_use() {
+            return Ok(in_use);
         }
         let connect = async {
             let primary = self.sentinel.primary().await?;
@@ -166,14 +176,36 @@ impl SentinelConnection {
         let connection = tokio::time::timeout(self.sentinel.timeout, connect)
             .await
             .map_err(|_| timed_out("the primary did not answer"))??;
-        *self.current.lock().expect("sentinel lock") = Some(connection.clone());
-        Ok(connection)
+        let mut current = self.current.lock().expect("sentinel lock");
+        // Another task made one meanwhile: that one stays.
+        if let Some(theirs) = &current.connection {
+            return Ok((current.generation, theirs.clone()));
+        }
+        current.generation += 1;
+        current.connection = Some(connection.clone());
+        Ok((current.generation, connection))
+    }
+
+    fn in_use(&self) -> Option<(u64, MultiplexedConnection)> {
+        let current = self.current.lock().expect("sentinel lock");
+        current
+            .connection
+            .clone()
+            .map(|connection| (current.generation, connection))
+    }
+
+    /// Drops connection number `generation`, if it is still the one in use.
+    fn forget(&self, generation: u64) {
+        let mut current = self.current.lock().expect("sentinel lock");
+        if current.generation == generation {
+            current.connection = None;
+        }
     }
 
     /// After `error`, whether to ask the sentinels again: the connection
     /// broke, or its server is no longer the primary (a demoted one
     /// answers READONLY to writes; one failing over, MASTERDOWN).
-    fn note(&self, error: &RedisError) {
+    fn note(&self, generation: u64, error: &RedisError) {
         let moved_on = matches!(error.code(), Some("READONLY" | "MASTERDOWN"));
         if moved_on
             || error.is_io_error()
@@ -181,16 +213,16 @@ impl SentinelConnection {
             || error.is_connection_dropped()
             || error.is_timeout()
         {
-            *self.current.lock().expect("sentinel lock") = None;
+            self.forget(generation);
         }
     }
 
     /// [`SentinelConnection::note`] for errors that come back as answers:
     /// redis-rs hands a server's error reply (READONLY from a demoted
     /// primary) to the caller as a value, turned into an error only later.
-    fn note_answer(&self, values: &[redis::Value]) {
+    fn note_answer(&self, generation: u64, values: &[redis::Value]) {
         if values.iter().any(server_moved_on) {
-            *self.current.lock().expect("sentinel lock") = None;
+            self.forget(generation);
         }
     }
 
@@ -200,7 +232,7 @@ impl SentinelConnection {
     /// [`super::RedisStore::keep_connected`].
     pub(super) async fn check_role(&self) -> RedisResult<Demoted> {
         // One not made yet will ask the sentinels when it is.
-        let Some(mut connection) = self.current.lock().expect("sentinel lock").clone() else {
+        let Some((generation, mut connection)) = self.in_use() else {
             return Ok(Demoted::No);
         };
         // A server gone silent (its host down, no reset) answers nothing:
@@ -214,11 +246,11 @@ impl SentinelConnection {
         let role = match asked {
             Ok(Ok(role)) => role,
             Ok(Err(error)) => {
-                self.note(&error);
+                self.note(generation, &error);
                 return Err(error);
             }
             Err(_) => {
-                *self.current.lock().expect("sentinel lock") = None;
+                self.forget(generation);
                 return Err(timed_out("the primary did not answer ROLE"));
             }
         };
@@ -232,7 +264,7 @@ impl SentinelConnection {
         if is_primary {
             return Ok(Demoted::No);
         }
-        *self.current.lock().expect("sentinel lock") = None;
+        self.forget(generation);
         Ok(Demoted::Yes)
     }
 }
@@ -248,10 +280,7 @@ pub(super) enum Demoted {
 impl std::fmt::Debug for SentinelConnection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SentinelConnection")
-            .field(
-                "connected",
-                &self.current.lock().expect("sentinel lock").is_some(),
-            )
+            .field("connected", &self.in_use().is_some())
             .finish()
     }
 }
@@ -262,11 +291,11 @@ impl ConnectionLike for SentinelConnection {
         command: &'a redis::Cmd,
     ) -> redis::RedisFuture<'a, redis::Value> {
         Box::pin(async move {
-            let mut connection = self.connected().await?;
+            let (generation, mut connection) = self.connected().await?;
             let answer = connection.req_packed_command(command).await;
             match &answer {
-                Err(error) => self.note(error),
-                Ok(value) => self.note_answer(std::slice::from_ref(value)),
+                Err(error) => self.note(generation, error),
+                Ok(value) => self.note_answer(generation, std::slice::from_ref(value)),
             }
             answer
         })
@@ -279,13 +308,13 @@ impl ConnectionLike for SentinelConnection {
         count: usize,
     ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
         Box::pin(async move {
-            let mut connection = self.connected().await?;
+            let (generation, mut connection) = self.connected().await?;
             let answer = connection
                 .req_packed_commands(pipeline, offset, count)
                 .await;
             match &answer {
-                Err(error) => self.note(error),
-                Ok(values) => self.note_answer(values),
+                Err(error) => self.note(generation, error),
+                Ok(values) => self.note_answer(generation, values),
             }
             answer
         })
