@@ -10,12 +10,16 @@
 //! answer was lost, and comparisons against it branch.
 //!
 //! The sidecars' clock may differ from the recording clock: on a shared store
-//! a sidecar decides by the store's clock as it measured it, within its
-//! `--max-clock-uncertainty` (docs/protocol.md, "Time"). With a tolerance of
-//! that much, a sidecar's moment for an operation lies within the call
-//! interval widened by it on both sides; the sidecars' own readings (a
-//! lease's end, the moment a claim was decided) are compared with each
-//! other as they are.
+//! a sidecar decides by the store's clock as it measured it, an interval
+//! [earliest, latest] at most the tolerance wide (twice its
+//! `--max-clock-uncertainty`, plus 1 ms; docs/protocol.md, "Time"). Ends it
+//! sets come from `latest`, within the call or up to the tolerance after
+//! it; time left it counts from `earliest`, within the call or up to the
+//! tolerance before it; and a takeover needs the old lease over, on the
+//! store's (the recording) clock, by the end of the call (see [`step`]).
+//! Calls whose answer was lost keep the window widened on both sides. The
+//! sidecars' own readings (a lease's end, the moment a claim was decided)
+//! are compared with each other as they are.
 //!
 //! The engine reads the clock before its atomic read-modify-write, so two
 //! concurrent calls may take effect in the other order than their clock

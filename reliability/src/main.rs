@@ -692,10 +692,14 @@ async fn lincheck(mut args: LincheckArgs) -> ExitCode {
             // from the true one, plus a millisecond of rounding. (With the
             // uncertainty alone, a debug run with slow round trips found
             // IN_PROGRESS answers whose time left ran 11 ms past the lease.)
-            u64::try_from(std::time::Duration::from(args.clock_uncertainty).as_millis())
-                .unwrap_or(u64::MAX / 4)
-                .saturating_mul(2)
-                .saturating_add(1)
+            u64::try_from(
+                std::time::Duration::from(args.clock_uncertainty)
+                    .as_micros()
+                    .div_ceil(1000),
+            )
+            .unwrap_or(u64::MAX / 4)
+            .saturating_mul(2)
+            .saturating_add(1)
         }
     };
     let config = runner::RunConfig {

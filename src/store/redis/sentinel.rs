@@ -88,8 +88,11 @@ impl Sentinel {
             }
             builder.build()
         };
-        // Built once here, so a bad combination is an error at start.
-        build(0)?;
+        // Built once for each sentinel here, so a bad combination is an
+        // error at start.
+        for index in 0..sentinels {
+            build(index)?;
+        }
         Ok(Arc::new(Sentinel {
             build: Box::new(build),
             sentinels,
@@ -104,21 +107,30 @@ impl Sentinel {
 
     /// A client for the server the sentinels name as the primary now (one
     /// that says it is, asked by redis-rs before it is returned). The
-    /// sentinels are asked one at a time, each for its share of the
-    /// timeout, starting one further on each lookup: redis-rs asks them in
-    /// order and waits on one that went silent (its host down, no reset)
-    /// with no timeout of its own, so the others would never be heard.
+    /// sentinels are asked one at a time, each for what is left of the
+    /// timeout shared among those not asked yet, starting one further on
+    /// each lookup: redis-rs asks them in order and waits on one that went
+    /// silent (its host down, no reset) with no timeout of its own, so the
+    /// others would never be heard.
     pub(super) async fn primary(&self) -> RedisResult<redis::Client> {
         let first = self.next.fetch_add(1, Relaxed);
-        let share = (self.timeout / u32::try_from(self.sentinels).unwrap_or(u32::MAX))
-            .max(Duration::from_millis(100));
+        let deadline = tokio::time::Instant::now() + self.timeout;
         let mut failed = timed_out("no sentinel named the primary");
         for turn in 0..self.sentinels {
-            let mut client = (self.build)(first + turn)?;
-            match tokio::time::timeout(share, client.async_get_client()).await {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let turns_left = u32::try_from(self.sentinels - turn).unwrap_or(u32::MAX);
+            let share = (left / turns_left).max(Duration::from_millis(100));
+            let asked = match (self.build)(first + turn) {
+                Ok(mut client) => tokio::time::timeout(share, client.async_get_client()).await,
+                Err(error) => Ok(Err(error)),
+            };
+            match asked {
                 Ok(Ok(primary)) => return Ok(primary),
                 Ok(Err(error)) => failed = error,
-                Err(_) => failed = timed_out("a sentinel did not name the primary in time"),
+                Err(_) => {
+                    failed =
+                        timed_out("a sentinel, or the primary it named, did not answer in time")
+                }
             }
         }
         Err(failed)
@@ -136,7 +148,16 @@ impl Sentinel {
 /// Whether `value` is an error reply saying the server is no longer (or
 /// not yet) the primary.
 fn server_moved_on(value: &redis::Value) -> bool {
-    matches!(value, redis::Value::ServerError(error) if matches!(error.code(), "READONLY" | "MASTERDOWN"))
+    let redis::Value::ServerError(error) = value else {
+        return false;
+    };
+    matches!(error.code(), "READONLY" | "MASTERDOWN")
+        // Before Redis 7 a script's write refused by a replica comes back
+        // as a script error carrying the READONLY reply.
+        || (error.code() == "ERR"
+            && error
+                .details()
+                .is_some_and(|details| details.contains("READONLY") || details.contains("MASTERDOWN")))
 }
 
 fn timed_out(what: &'static str) -> RedisError {
@@ -341,6 +362,9 @@ mod tests {
         )));
         assert!(server_moved_on(&reply(
             b"-MASTERDOWN Link with MASTER is down\r\n"
+        )));
+        assert!(server_moved_on(&reply(
+            b"-ERR Error running script (call to f_1): @user_script:5: -READONLY You can't write against a read only replica.\r\n"
         )));
         assert!(!server_moved_on(&reply(b"-ERR unknown command\r\n")));
         assert!(!server_moved_on(&reply(b"+OK\r\n")));
