@@ -433,6 +433,15 @@ pub fn start_redis_sentinel(
     quorum: u32,
     down_after_ms: u64,
 ) -> Result<Option<Throwaway>, String> {
+    on_a_free_port(|| spawn_redis_sentinel(name, primary_port, quorum, down_after_ms))
+}
+
+fn spawn_redis_sentinel(
+    name: &str,
+    primary_port: u16,
+    quorum: u32,
+    down_after_ms: u64,
+) -> Result<Option<Throwaway>, String> {
     let Some(binaries) = find_binaries(&["redis-server"]) else {
         return Ok(None);
     };
@@ -470,12 +479,29 @@ cat >/dev/null
     wait_until_answering(server, redis_answers, &["server.log"]).map(Some)
 }
 
+/// What a server logs when its port is taken.
+const PORT_TAKEN: &str = "Address already in use";
+
+/// `start` again, on a new port, while the port it picked was taken
+/// between the pick and the server's bind (up to five times).
+fn on_a_free_port(
+    mut start: impl FnMut() -> Result<Option<Throwaway>, String>,
+) -> Result<Option<Throwaway>, String> {
+    let mut tries = 0;
+    loop {
+        match start() {
+            Err(error) if error.contains(PORT_TAKEN) && tries < 4 => tries += 1,
+            started => return started,
+        }
+    }
+}
+
 /// [`spawn_redis`], waiting until it answers PING in plaintext.
 pub fn start_redis(args: &[OsString]) -> Result<Option<Throwaway>, String> {
-    match spawn_redis(args)? {
+    on_a_free_port(|| match spawn_redis(args)? {
         Some(server) => wait_until_answering(server, redis_answers, &["server.log"]).map(Some),
         None => Ok(None),
-    }
+    })
 }
 
 /// A Redis Cluster of the harness's own on 127.0.0.1: three primaries and
@@ -742,6 +768,15 @@ fn wait_until_answering(
             Ok(()) => return Ok(server),
             Err(error) => error,
         };
+        // The port was free when picked, and taken since (another test's
+        // server, or a connection's local port): the caller picks another.
+        let taken = logs.iter().any(|log| {
+            std::fs::read_to_string(server.dir.join(log))
+                .is_ok_and(|content| content.contains(PORT_TAKEN))
+        });
+        if taken {
+            break format!("its port was taken ({PORT_TAKEN})");
+        }
         if started.elapsed() > Duration::from_secs(60) {
             break format!("no answer within 60 s: {last}");
         }
