@@ -401,6 +401,15 @@ pub fn start_postgres_tls(cert_pem: &[u8], key_pem: &[u8]) -> Result<Option<Thro
     )
 }
 
+/// The end of a Redis wrapper script: the server started in the
+/// background is stopped, and its directory removed, when the test's end
+/// of the lifeline (the wrapper's stdin) closes or the wrapper is killed.
+const REDIS_LIFELINE: &str = r#"server=$!
+trap 'kill "$server" 2>/dev/null; wait "$server" 2>/dev/null; rm -rf "$DIR"' EXIT
+trap 'exit 130' INT TERM HUP
+cat >/dev/null
+"#;
+
 /// Starts `redis-server` from the binaries found, with `args` after the
 /// harness's own (`--port <free> --bind 127.0.0.1 --save "" --appendonly
 /// no`; later ones win), without waiting for it to answer; `Ok(None)` when
@@ -411,16 +420,15 @@ pub fn spawn_redis(args: &[OsString]) -> Result<Option<Throwaway>, String> {
     };
     let port = free_port();
     let dir = server_dir("redis")?;
-    let script = r#"
+    let script = format!(
+        "{}{REDIS_LIFELINE}",
+        r#"
 "$BIN/redis-server" --port "$PORT" --bind 127.0.0.1 --save "" --appendonly no --dir "$DIR" \
   "$@" >"$DIR/server.log" 2>&1 </dev/null &
-server=$!
-trap 'kill "$server" 2>/dev/null; wait "$server" 2>/dev/null; rm -rf "$DIR"' EXIT
-trap 'exit 130' INT TERM HUP
-cat >/dev/null
-"#;
+"#
+    );
     let url = format!("redis://127.0.0.1:{port}");
-    spawn_wrapper(script, &binaries, &dir, port, args, None, url).map(Some)
+    spawn_wrapper(&script, &binaries, &dir, port, args, None, url).map(Some)
 }
 
 /// A Redis Sentinel of the harness's own (`redis-server <conf> --sentinel`)
@@ -460,11 +468,8 @@ sentinel failover-timeout $1 10000
 sentinel parallel-syncs $1 1
 CONF
 "$BIN/redis-server" "$DIR/sentinel.conf" --sentinel >"$DIR/server.log" 2>&1 </dev/null &
-server=$!
-trap 'kill "$server" 2>/dev/null; wait "$server" 2>/dev/null; rm -rf "$DIR"' EXIT
-trap 'exit 130' INT TERM HUP
-cat >/dev/null
 "#;
+    let script = format!("{script}{REDIS_LIFELINE}");
     let url = format!("redis://127.0.0.1:{port}");
     let args: Vec<OsString> = [
         name.to_owned(),
@@ -475,7 +480,7 @@ cat >/dev/null
     .into_iter()
     .map(OsString::from)
     .collect();
-    let server = spawn_wrapper(script, &binaries, &dir, port, &args, None, url)?;
+    let server = spawn_wrapper(&script, &binaries, &dir, port, &args, None, url)?;
     wait_until_answering(server, redis_answers, &["server.log"]).map(Some)
 }
 
