@@ -16,7 +16,7 @@ use crate::{
     error::Error,
     machine,
     metrics::Metrics,
-    store::Store,
+    store::{Attempt, Store},
     telemetry,
 };
 
@@ -86,6 +86,19 @@ impl<S: Store> Engine<S> {
     fn decision_time(&self) -> Result<Now, Error> {
         self.clock.verify().map_err(Error::Unavailable)?;
         Ok(self.clock.interval())
+    }
+
+    /// The time one run of an update decides at. Each new attempt (the
+    /// first, or a retry after a conflict) reads it afresh, so a write that
+    /// lands late sets its ends from when it was tried, not from when the
+    /// call began; the run that repeats an attempt with the fencing token
+    /// its write drew keeps that attempt's time, so it reaches the decision
+    /// the write was made from. `at` holds the time of the last attempt.
+    fn attempt_time(&self, at: &mut Now, attempt: &Attempt<'_>) -> Result<Now, Error> {
+        if !attempt.repeats {
+            *at = self.decision_time()?;
+        }
+        Ok(*at)
     }
 
     /// `Ok` while calls can be answered: the store takes writes and the
@@ -188,10 +201,11 @@ impl<S: Store> Engine<S> {
     /// Extend a claim's lease; returns the new expiry.
     pub async fn renew(&self, request: &RenewRequest) -> Result<UnixMillis, Error> {
         telemetry::record_call(&request.key, self.store.kind());
-        let now = self.decision_time()?;
+        let mut at = self.decision_time()?;
         let outcome = self
             .store
-            .update(&request.key, |current, _| {
+            .update(&request.key, |current, attempt| {
+                let now = self.attempt_time(&mut at, &attempt)?;
                 Ok(machine::renew(current, request, now))
             })
             .instrument(telemetry::store_span(self.store.kind()))
@@ -220,10 +234,13 @@ impl<S: Store> Engine<S> {
     /// Delete `key`; true if a live record existed.
     pub async fn forget(&self, key: &Key) -> Result<bool, Error> {
         telemetry::record_call(key, self.store.kind());
-        let now = self.decision_time()?;
+        let mut at = self.decision_time()?;
         let existed = self
             .store
-            .update(key, |current, _| Ok(machine::forget(current, now)))
+            .update(key, |current, attempt| {
+                let now = self.attempt_time(&mut at, &attempt)?;
+                Ok(machine::forget(current, now))
+            })
             .instrument(telemetry::store_span(self.store.kind()))
             .await?;
         self.wait_durable().await?;
@@ -231,7 +248,7 @@ impl<S: Store> Engine<S> {
     }
 
     async fn claim_unsynced(&self, request: &ClaimRequest) -> Result<ClaimOutcome, Error> {
-        let now = self.decision_time()?;
+        let mut at = self.decision_time()?;
         let highest_committed_sequence = match &request.ordering {
             Some(position) => {
                 let scope = OrderingScope {
@@ -239,21 +256,22 @@ impl<S: Store> Engine<S> {
                     ordering_key: position.ordering_key.clone(),
                 };
                 let mark = self.store.get_mark(&scope).await?;
-                machine::live_mark(mark, now).map(|mark| mark.highest)
+                machine::live_mark(mark, at).map(|mark| mark.highest)
             }
             None => None,
         };
         let lease_token = LeaseToken::random();
         let outcome = self
             .store
-            .update(&request.key, |current, issue_fencing| {
+            .update(&request.key, |current, attempt| {
+                let now = self.attempt_time(&mut at, &attempt)?;
                 machine::claim(
                     current,
                     request,
                     now,
                     lease_token,
                     highest_committed_sequence,
-                    issue_fencing,
+                    attempt.issue_fencing,
                 )
             })
             .await?;
@@ -269,10 +287,11 @@ impl<S: Store> Engine<S> {
         &self,
         request: &CommitRequest,
     ) -> Result<Result<CommitOutcome, LeaseLost>, Error> {
-        let now = self.decision_time()?;
+        let mut at = self.decision_time()?;
         let outcome = self
             .store
-            .update(&request.key, |current, _| {
+            .update(&request.key, |current, attempt| {
+                let now = self.attempt_time(&mut at, &attempt)?;
                 Ok(machine::commit(current, request, now))
             })
             .await?;
@@ -284,7 +303,7 @@ impl<S: Store> Engine<S> {
         if let Ok(committed) = &outcome {
             // Also on ALREADY_COMMITTED: if we crashed between the record and
             // the mark, the client's retry is what raises the mark.
-            self.raise_mark(&request.key, committed.record(), now)
+            self.raise_mark(&request.key, committed.record(), at)
                 .await?;
         }
         Ok(outcome)
@@ -294,10 +313,11 @@ impl<S: Store> Engine<S> {
         &self,
         request: &ReleaseRequest,
     ) -> Result<Result<ReleaseOutcome, LeaseLost>, Error> {
-        let now = self.decision_time()?;
+        let mut at = self.decision_time()?;
         let outcome = self
             .store
-            .update(&request.key, |current, _| {
+            .update(&request.key, |current, attempt| {
+                let now = self.attempt_time(&mut at, &attempt)?;
                 Ok(machine::release(current, request, now))
             })
             .await?;
@@ -377,8 +397,13 @@ mod tests {
     use super::*;
     use crate::{
         clock::ManualClock,
-        domain::{ClaimOutcome, ClaimRequest, Key},
-        store::memory::MemoryStore,
+        domain::{ClaimOutcome, ClaimRequest, FencingToken, Key},
+        machine::{Change, SequenceMark},
+        store::{
+            memory::MemoryStore,
+            optimistic::{self, Conditional, Swapped, Versioned},
+            ReapReport, StoreStats,
+        },
     };
 
     /// A pod's estimate of the store's clock: the true time (`truth`) plus
@@ -456,6 +481,128 @@ mod tests {
                 }
             ),
             "{third:?}"
+        );
+    }
+
+    /// A shared store whose writes each take `lag` of the clock: the first
+    /// conflicts (someone deleted the record meanwhile), the second lands
+    /// and draws fencing token 7. Everything else is out of the test.
+    #[derive(Debug)]
+    struct LateWrites {
+        clock: ManualClock,
+        lag: Duration,
+        writes: std::sync::Mutex<u32>,
+        written: std::sync::Mutex<Option<Record>>,
+    }
+
+    impl Conditional for LateWrites {
+        type Version = ();
+
+        async fn read(&self, _: &Key) -> Result<Option<Versioned<()>>, Error> {
+            Ok(None)
+        }
+
+        async fn write_if(
+            &self,
+            _: &Key,
+            _: Option<&Versioned<()>>,
+            change: &Change,
+            draw_token: bool,
+        ) -> Result<Swapped<()>, Error> {
+            self.clock.advance(self.lag);
+            let mut writes = self.writes.lock().unwrap();
+            *writes += 1;
+            if *writes == 1 {
+                return Ok(Swapped::Conflict(None));
+            }
+            let Change::Put(record) = change else {
+                panic!("a claim writes its record: {change:?}");
+            };
+            assert!(draw_token, "the write draws the token");
+            let token = FencingToken(7);
+            *self.written.lock().unwrap() = Some(optimistic::with_token(record, token));
+            Ok(Swapped::Done {
+                token: Some(token),
+                version: Some(()),
+            })
+        }
+    }
+
+    impl Store for LateWrites {
+        async fn update<T, F>(&self, key: &Key, apply: F) -> Result<T, Error>
+        where
+            T: Send,
+            F: FnMut(Option<&Record>, Attempt<'_>) -> Result<(Change, T), Error> + Send,
+        {
+            Ok(optimistic::update(self, key, None, apply).await?.0)
+        }
+        async fn get(&self, _: &Key) -> Result<Option<Record>, Error> {
+            unreachable!("not read")
+        }
+        async fn update_mark<F>(&self, _: &OrderingScope, _: F) -> Result<(), Error>
+        where
+            F: FnMut(Option<SequenceMark>) -> Option<SequenceMark> + Send,
+        {
+            unreachable!("no ordering")
+        }
+        async fn get_mark(&self, _: &OrderingScope) -> Result<Option<SequenceMark>, Error> {
+            unreachable!("no ordering")
+        }
+        async fn durable(&self) -> Result<(), Error> {
+            Ok(())
+        }
+        async fn reap(&self, _: UnixMillis, _: usize) -> Result<ReapReport, Error> {
+            Ok(ReapReport::default())
+        }
+        fn health(&self) -> Result<(), Error> {
+            Ok(())
+        }
+        async fn stats(&self) -> StoreStats {
+            StoreStats::default()
+        }
+        async fn close(&self) -> Result<(), Error> {
+            Ok(())
+        }
+    }
+
+    /// A claim's lease is set from the time its write was tried, not from
+    /// when the call began (a conflict retried, or a write that lands late,
+    /// would shorten it); and the run after the write, which learns the
+    /// drawn token, answers with the lease that was written. Reading the
+    /// time once per call fails the first check; reading it on every run,
+    /// the second.
+    #[tokio::test]
+    async fn a_lease_is_set_from_the_time_its_write_was_tried() {
+        let lag = Duration::from_secs(4);
+        let lease = Duration::from_secs(30);
+        let clock = ManualClock::new(UnixMillis(1_800_000_000_000));
+        let start = clock.now();
+        let store = Arc::new(LateWrites {
+            clock: clock.clone(),
+            lag,
+            writes: std::sync::Mutex::new(0),
+            written: std::sync::Mutex::new(None),
+        });
+        let engine = Engine::new(Arc::clone(&store), Arc::new(clock));
+        let request = ClaimRequest::plain(
+            Key::new_unchecked("orders".into(), "o-1".into()),
+            lease,
+            Duration::from_secs(3600),
+        );
+        let ClaimOutcome::Claimed { record, .. } = engine.claim(&request).await.unwrap() else {
+            panic!("claimed");
+        };
+        let second_attempt = start.saturating_add(lag);
+        assert_eq!(
+            record.lease_expires_at,
+            second_attempt.saturating_add(lease),
+            "the lease runs from the attempt that wrote it"
+        );
+        assert_eq!(record.fencing_token, FencingToken(7));
+        assert_eq!(
+            store.written.lock().unwrap().as_ref(),
+            Some(&record),
+            "the answer is the record written"
         );
     }
 }

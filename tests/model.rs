@@ -18,7 +18,7 @@ use dedupd::{
         memory::MemoryStore,
         sled::{SledConfig, SledStore},
         tiered::Tiered,
-        IssueFencing, ReapReport, Store, StoreStats,
+        Attempt, ReapReport, Store, StoreStats,
     },
     Error,
 };
@@ -481,7 +481,7 @@ impl Store for AnyStore {
     async fn update<T, F>(&self, key: &Key, apply: F) -> Result<T, Error>
     where
         T: Send,
-        F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
+        F: FnMut(Option<&Record>, Attempt<'_>) -> Result<(Change, T), Error> + Send,
     {
         on_any!(self, store => store.update(key, apply).await)
     }
@@ -551,7 +551,7 @@ impl<S: Store> Store for TakingTurns<S> {
     ) -> impl std::future::Future<Output = Result<T, Error>> + Send
     where
         T: Send,
-        F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
+        F: FnMut(Option<&Record>, Attempt<'_>) -> Result<(Change, T), Error> + Send,
     {
         self.turn().update(key, apply)
     }

@@ -7,7 +7,7 @@ use std::{
     sync::{Mutex, MutexGuard},
 };
 
-use super::{IssueFencing, ReapReport, Store, StoreStats};
+use super::{Attempt, ReapReport, Store, StoreStats};
 use crate::{
     clock::UnixMillis,
     domain::{FencingToken, Key, OrderingScope, Record},
@@ -47,7 +47,7 @@ impl Store for MemoryStore {
     async fn update<T, F>(&self, key: &Key, mut apply: F) -> Result<T, Error>
     where
         T: Send,
-        F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
+        F: FnMut(Option<&Record>, Attempt<'_>) -> Result<(Change, T), Error> + Send,
     {
         let mut state = self.lock();
         let State {
@@ -59,7 +59,7 @@ impl Store for MemoryStore {
             *last_fencing_token += 1;
             Ok(FencingToken(*last_fencing_token))
         };
-        let (change, answer) = apply(records.get(key), &mut issue)?;
+        let (change, answer) = apply(records.get(key), Attempt::new(&mut issue))?;
         match change {
             Change::Keep => {}
             Change::Put(record) => {

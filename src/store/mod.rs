@@ -39,6 +39,43 @@ use crate::{
 /// claim is granted.
 pub type IssueFencing<'a> = &'a mut dyn FnMut() -> Result<FencingToken, Error>;
 
+/// What one run of an update's `apply` is given besides the record.
+pub struct Attempt<'a> {
+    /// Draws the fencing token of a claim this run grants.
+    pub issue_fencing: IssueFencing<'a>,
+    /// This run repeats the one before it with the fencing token that run's
+    /// write drew: it must reach that run's decision, so it decides at that
+    /// run's time. Otherwise it is a new attempt (the first, or a retry
+    /// after a conflict), which reads the time afresh.
+    pub repeats: bool,
+}
+
+impl fmt::Debug for Attempt<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Attempt")
+            .field("repeats", &self.repeats)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> Attempt<'a> {
+    /// A new attempt: the first run, or one after a conflict.
+    pub fn new(issue_fencing: IssueFencing<'a>) -> Self {
+        Attempt {
+            issue_fencing,
+            repeats: false,
+        }
+    }
+
+    /// The run that repeats the last attempt with its drawn token.
+    pub fn repeat(issue_fencing: IssueFencing<'a>) -> Self {
+        Attempt {
+            issue_fencing,
+            repeats: true,
+        }
+    }
+}
+
 /// Told what a store did (group commits, local-tier lookups), so a store
 /// reports without knowing the metrics.
 pub trait StoreObserver: Send + Sync + fmt::Debug {
@@ -87,7 +124,7 @@ pub trait Store: Send + Sync + 'static {
     fn update<T, F>(&self, key: &Key, apply: F) -> impl Future<Output = Result<T, Error>> + Send
     where
         T: Send,
-        F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send;
+        F: FnMut(Option<&Record>, Attempt<'_>) -> Result<(Change, T), Error> + Send;
 
     /// Reads the record of `key`, expired or not (the caller applies expiry).
     fn get(&self, key: &Key) -> impl Future<Output = Result<Option<Record>, Error>> + Send;

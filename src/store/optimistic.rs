@@ -16,11 +16,13 @@
 //!   on a full disk).
 //! - A claim's fencing token is drawn by the write itself (the store's
 //!   source, above the key's last token); the machine then runs once more
-//!   with it — a pure function, so it agrees but for the token.
+//!   with it — a pure function, so it agrees but for the token. That run
+//!   is marked as repeating its attempt ([`Attempt::repeat`]): it decides
+//!   at its attempt's time, while each new attempt reads the time afresh.
 
 use std::future::Future;
 
-use super::IssueFencing;
+use super::Attempt;
 use crate::{
     domain::{FencingToken, Key, Record},
     error::Error,
@@ -98,20 +100,23 @@ pub async fn update<S, T, F>(
 where
     S: Conditional,
     T: Send,
-    F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
+    F: FnMut(Option<&Record>, Attempt<'_>) -> Result<(Change, T), Error> + Send,
 {
     let mut believed = belief;
     let mut verified = false;
     loop {
         let record = believed.as_ref().map(|stored| &stored.record);
         let mut draw_token = false;
-        let (change, answer) = apply(record, &mut || match store.issue_now() {
-            Some(issued) => issued,
-            None => {
-                draw_token = true;
-                Ok(PROVISIONAL)
-            }
-        })?;
+        let (change, answer) = apply(
+            record,
+            Attempt::new(&mut || match store.issue_now() {
+                Some(issued) => issued,
+                None => {
+                    draw_token = true;
+                    Ok(PROVISIONAL)
+                }
+            }),
+        )?;
         let needs_write = match &change {
             Change::Keep => false,
             Change::Delete => believed.is_some(),
@@ -140,7 +145,7 @@ where
         match swapped {
             Swapped::Done { token, version } => {
                 let (change, answer) = match (draw_token, token) {
-                    (true, Some(token)) => apply(record, &mut || Ok(token))?,
+                    (true, Some(token)) => apply(record, Attempt::repeat(&mut || Ok(token)))?,
                     (true, None) => {
                         return Err(Error::Store(
                             "the store wrote a claim without drawing its fencing token".into(),

@@ -66,7 +66,7 @@ use super::{
     stall::{busy, watch_syncs, Busy, StallWatch, PROBE_AFTER},
     wal::sync_directory,
     wal::{self, Appender, Tree},
-    IssueFencing, ReapReport, Store, StoreObserver, StoreStats,
+    Attempt, ReapReport, Store, StoreObserver, StoreStats,
 };
 use crate::{
     clock::UnixMillis,
@@ -1141,7 +1141,7 @@ impl Store for SledStore {
     async fn update<T, F>(&self, key: &Key, apply: F) -> Result<T, Error>
     where
         T: Send,
-        F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
+        F: FnMut(Option<&Record>, Attempt<'_>) -> Result<(Change, T), Error> + Send,
     {
         use futures_util::FutureExt;
 

@@ -36,7 +36,7 @@ use tokio::{sync::Notify, time::Instant};
 use super::{
     codec,
     shared::{DeletionFeed, HEARTBEAT},
-    IssueFencing, ReapReport, Store, StoreObserver, StoreStats,
+    Attempt, ReapReport, Store, StoreObserver, StoreStats,
 };
 use crate::{
     clock::{Clock, UnixMillis},
@@ -173,14 +173,17 @@ impl<S: Store> Store for Tiered<S> {
     async fn update<T, F>(&self, key: &Key, mut apply: F) -> Result<T, Error>
     where
         T: Send,
-        F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
+        F: FnMut(Option<&Record>, Attempt<'_>) -> Result<(Change, T), Error> + Send,
     {
         if let Some(kept) = self.kept(key) {
             let mut issued = false;
-            let (change, answer) = apply(Some(&kept), &mut || {
-                issued = true;
-                Ok(FencingToken(0))
-            })?;
+            let (change, answer) = apply(
+                Some(&kept),
+                Attempt::new(&mut || {
+                    issued = true;
+                    Ok(FencingToken(0))
+                }),
+            )?;
             if matches!(change, Change::Keep) && !issued {
                 self.tier.observe(true);
                 return Ok(answer);
@@ -617,7 +620,7 @@ mod tests {
         async fn update<T, F>(&self, key: &Key, apply: F) -> Result<T, Error>
         where
             T: Send,
-            F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
+            F: FnMut(Option<&Record>, Attempt<'_>) -> Result<(Change, T), Error> + Send,
         {
             self.records.update(key, apply).await
         }

@@ -39,7 +39,7 @@ use dedupd::{
         redis::RedisStore,
         sled::{SledConfig, SledStore},
         tiered::Tiered,
-        IssueFencing, ReapReport, Store, StoreObserver, StoreStats,
+        Attempt, ReapReport, Store, StoreObserver, StoreStats,
     },
     Error, ListenAddr, Listener, Listeners, Metrics,
 };
@@ -404,7 +404,7 @@ impl Store for TestStore {
     async fn update<T, F>(&self, key: &Key, apply: F) -> Result<T, Error>
     where
         T: Send,
-        F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
+        F: FnMut(Option<&Record>, Attempt<'_>) -> Result<(Change, T), Error> + Send,
     {
         on_each!(self, store => store.update(key, apply).await)
     }
@@ -634,7 +634,7 @@ impl Store for FailingStore {
     async fn update<T, F>(&self, key: &Key, apply: F) -> Result<T, Error>
     where
         T: Send,
-        F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
+        F: FnMut(Option<&Record>, Attempt<'_>) -> Result<(Change, T), Error> + Send,
     {
         self.check()?;
         let answer = self.inner.update(key, apply).await;
@@ -734,7 +734,7 @@ impl Store for GatedStore {
     ) -> impl std::future::Future<Output = Result<T, Error>> + Send
     where
         T: Send,
-        F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
+        F: FnMut(Option<&Record>, Attempt<'_>) -> Result<(Change, T), Error> + Send,
     {
         self.inner.update(key, apply)
     }

@@ -60,7 +60,7 @@ use self::{
 use super::{
     optimistic::{self, with_token, Conditional, Swapped, Versioned},
     shared::{deletion_message, Reachability, RecentWrites},
-    IssueFencing, ReapReport, Store, StoreStats,
+    Attempt, ReapReport, Store, StoreStats,
 };
 use crate::{
     clock::UnixMillis,
@@ -400,7 +400,7 @@ impl Store for PostgresStore {
     async fn update<T, F>(&self, key: &Key, apply: F) -> Result<T, Error>
     where
         T: Send,
-        F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
+        F: FnMut(Option<&Record>, Attempt<'_>) -> Result<(Change, T), Error> + Send,
     {
         self.ready()?;
         // One connection and one deadline for the whole call.

@@ -89,9 +89,9 @@ use self::{
     scripts::{Fetch, MARK_SCRIPT, READ_SCRIPT, UPDATE_SCRIPT},
 };
 use super::{
-    optimistic,
+    self as store, optimistic,
     shared::{Reachability, RecentWrites, HEARTBEAT},
-    IssueFencing, ReapReport, Store, StoreStats,
+    ReapReport, Store, StoreStats,
 };
 use crate::{
     clock::{Clock, UnixMillis},
@@ -510,7 +510,7 @@ impl Store for RedisStore {
     async fn update<T, F>(&self, key: &Key, apply: F) -> Result<T, Error>
     where
         T: Send,
-        F: FnMut(Option<&Record>, IssueFencing<'_>) -> Result<(Change, T), Error> + Send,
+        F: FnMut(Option<&Record>, store::Attempt<'_>) -> Result<(Change, T), Error> + Send,
     {
         self.not_evicting().await?;
         // Each operation's calls note their witness for its fence.
