@@ -58,7 +58,7 @@ async def test_a_failing_handler_releases_and_its_error_propagates(sidecar: Side
         assert await client.process("a-3", fail) == b"second time"
 
 
-async def test_the_lease_is_renewed_by_a_task(sidecar: Sidecar) -> None:
+async def test_the_lease_is_renewed_while_the_work_runs(sidecar: Sidecar) -> None:
     async with dedupd.aio.Client(sidecar.address, lease=0.6) as client, dedupd.aio.Client(
         sidecar.address
     ) as other:
@@ -69,6 +69,32 @@ async def test_the_lease_is_renewed_by_a_task(sidecar: Sidecar) -> None:
                     await other.claim_once("a-long")
             await client.commit(claim, b"done")
         assert not claim.lease_lost
+
+        # Through process(), several at once, each outliving its lease.
+        async def slow(claim: dedupd.Claim) -> bytes:
+            for _ in range(4):
+                await asyncio.sleep(0.4)
+                with pytest.raises(dedupd.InProgress):
+                    await other.claim_once(claim.correlation_id)
+            return b"finished"
+
+        answers = await asyncio.gather(*(client.process(f"a-long-{n}", slow) for n in range(4)))
+        assert answers == [b"finished"] * 4
+
+
+async def test_a_quick_handler_starts_no_renewal_task(sidecar: Sidecar) -> None:
+    """A handler done within a beat costs a timer, not a task (one task per
+    event was most of process()'s cost beyond its two calls)."""
+    async with dedupd.aio.Client(sidecar.address) as client:
+        before = len(asyncio.all_tasks())
+        during: list[int] = []
+
+        def handle(claim: dedupd.Claim) -> bytes:
+            during.append(len(asyncio.all_tasks()))
+            return b"quick"
+
+        assert await client.process("a-quick", handle) == b"quick"
+        assert during == [before]
 
 
 async def test_a_lost_lease_refuses_the_commit(sidecar: Sidecar) -> None:

@@ -96,6 +96,43 @@ def test_the_lease_is_renewed_while_a_long_handler_runs(sidecar: Sidecar) -> Non
     assert len(refused) == 6 and all(0 < wait <= 1.0 for wait in refused)
 
 
+def test_one_renewal_thread_keeps_many_long_handlers_leases(sidecar: Sidecar) -> None:
+    """Eight handlers at once, each outliving its lease four times, on one
+    client: every lease is renewed (the other client is refused throughout),
+    by one thread, not one per claim, while quick handlers run beside them."""
+    with dedupd.Client(sidecar.address, lease=0.6) as client, dedupd.Client(sidecar.address) as other:
+        refused: list[str] = []
+        failures: list[BaseException] = []
+
+        def slow(claim: dedupd.Claim) -> bytes:
+            for _ in range(6):
+                time.sleep(0.4)
+                with pytest.raises(dedupd.InProgress):
+                    other.process(claim.correlation_id, lambda c: b"stolen")
+                refused.append(claim.correlation_id)
+            return b"finished"
+
+        def run(key: str) -> None:
+            try:
+                assert client.process(key, slow) == b"finished"
+            except BaseException as error:  # noqa: BLE001 - asserted below
+                failures.append(error)
+
+        before = {thread.name for thread in threading.enumerate()}
+        workers = [threading.Thread(target=run, args=(f"long-{n}",)) for n in range(8)]
+        for worker in workers:
+            worker.start()
+        for n in range(50):
+            assert client.process(f"quick-{n}", lambda c: b"q") == b"q"
+        time.sleep(0.5)
+        renewal_threads = [t for t in threading.enumerate() if t.name.startswith("dedupd-renew") and t.name not in before]
+        for worker in workers:
+            worker.join()
+    assert not failures, failures
+    assert len(refused) == 8 * 6
+    assert len(renewal_threads) == 1, [t.name for t in renewal_threads]
+
+
 def test_a_lost_lease_refuses_the_commit(sidecar: Sidecar) -> None:
     with dedupd.Client(sidecar.address, lease=0.2) as client, dedupd.Client(sidecar.address) as other:
         # claim_once does not renew: a process that stalls past its lease.

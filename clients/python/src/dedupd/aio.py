@@ -137,17 +137,14 @@ class Client:
         if claim.duplicate:
             yield claim
             return
-        renewing = asyncio.create_task(self._renew_until_cancelled(claim))
+        renewal = _Renewal(self, claim)
         try:
             yield claim
         except BaseException as error:
-            renewing.cancel()
+            renewal.end()
             await self._release_quietly(claim, error)
             raise
-        finally:
-            renewing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await renewing
+        renewal.end()
         if not claim.settled:
             await self.release(claim)
 
@@ -163,21 +160,24 @@ class Client:
         retention: Optional[float] = None,
     ) -> bytes:
         """As `dedupd.Client.process`; `handler` may be a coroutine function."""
-        async with self.claim(
-            correlation_id,
-            event_type=event_type,
-            payload_fingerprint=payload_fingerprint,
-            ordering_key=ordering_key,
-            sequence=sequence,
-            retention=retention,
-        ) as claim:
-            if claim.duplicate:
-                return claim.cached_response
+        # `async with self.claim(...)` unrolled: this is the hot path.
+        fields = ClaimFields(event_type, payload_fingerprint, ordering_key, sequence, retention)
+        claim = await self.claim_once(correlation_id, fields)
+        if claim.duplicate:
+            return claim.cached_response
+        renewal = _Renewal(self, claim)
+        try:
             result = handler(claim)
             if inspect.isawaitable(result):
                 result = await result
             record = await self.commit(claim, result)
-        return record.response
+        except BaseException as error:
+            renewal.end()
+            await self._release_quietly(claim, error)
+            raise
+        renewal.end()
+        response: bytes = record.response
+        return response
 
     async def claim_many(
         self, correlation_ids: Sequence[str], fields: ClaimFields = ClaimFields()
@@ -208,13 +208,37 @@ class Client:
             if callable(add_note):
                 add_note(note)
 
-    async def _renew_until_cancelled(self, claim: Claim) -> None:
-        while True:
-            await asyncio.sleep(self.settings.lease / 3)
-            try:
-                await self.renew(claim)
-            except protocol.LeaseLost:
-                claim.lease_lost = True
-                return
-            except DedupError:
-                continue
+
+class _Renewal:
+    """Renews one claim's lease a beat (a third of the lease) after it was
+    claimed, and every beat after, while its work runs: a timer on the event
+    loop until a renewal is due, so a handler that finishes within a beat
+    costs one timer, not a task. A refused renewal marks the claim
+    `lease_lost`; any other failure is tried again a beat later."""
+
+    __slots__ = ("_client", "_claim", "_timer", "_renewing")
+
+    def __init__(self, client: Client, claim: Claim) -> None:
+        self._client = client
+        self._claim = claim
+        self._renewing: Optional["asyncio.Task[None]"] = None
+        self._timer = asyncio.get_running_loop().call_later(client.settings.lease / 3, self._due)
+
+    def _due(self) -> None:
+        self._renewing = asyncio.ensure_future(self._renew())
+
+    async def _renew(self) -> None:
+        try:
+            await self._client.renew(self._claim)
+        except protocol.LeaseLost:
+            self._claim.lease_lost = True
+            return  # The commit will be refused and say so.
+        except DedupError:
+            pass  # Try again at the next beat; the lease has two left.
+        self._timer = asyncio.get_running_loop().call_later(self._client.settings.lease / 3, self._due)
+
+    def end(self) -> None:
+        """The work is over: no more renewals (one under way is cancelled)."""
+        self._timer.cancel()
+        if self._renewing is not None:
+            self._renewing.cancel()

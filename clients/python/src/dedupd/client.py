@@ -1,11 +1,10 @@
 """The synchronous client: `Client(...).process(id, handler)` and
-`with client.claim(id) as claim:`; the lease is renewed by a background
-thread while the work runs."""
+`with client.claim(id) as claim:`; the lease is renewed by the client's one
+background thread while the work runs (see `_renewal`)."""
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
 
@@ -15,6 +14,7 @@ from dedupd import _protocol as protocol
 from dedupd._connection import TLS, Retry, call_metadata, channel_options, metadata, target
 from dedupd._proto.dedup.v1 import dedup_pb2 as pb
 from dedupd._proto.dedup.v1 import dedup_pb2_grpc as pb_grpc
+from dedupd._renewal import Renewer
 from dedupd._protocol import (
     Claim,
     ClaimFields,
@@ -67,8 +67,10 @@ class Client:
         self._timeout = timeout
         self._retry = retry
         self.settings = Settings(namespace, owner, consumer_version, lease)
+        self._renewer = Renewer(self._send_renewal, lambda: self.settings.lease / 3, _is_lease_lost)
 
     def close(self) -> None:
+        self._renewer.close()
         self._channel.close()
 
     def __enter__(self) -> "Client":
@@ -156,12 +158,14 @@ class Client:
         if claim.duplicate:
             yield claim
             return
+        watch = self._renewer.watch(claim)
         try:
-            with self._renewing(claim):
-                yield claim
+            yield claim
         except BaseException as error:
+            Renewer.end(watch)
             self._release_quietly(claim, error)
             raise
+        Renewer.end(watch)
         if not claim.settled:
             self.release(claim)
 
@@ -180,18 +184,22 @@ class Client:
         its result (as stored); a duplicate returns the first result without
         calling it. `InProgress`, `Stale` and `FingerprintMismatch` are for
         the caller's transport logic (nack, ack and skip, alert)."""
-        with self.claim(
-            correlation_id,
-            event_type=event_type,
-            payload_fingerprint=payload_fingerprint,
-            ordering_key=ordering_key,
-            sequence=sequence,
-            retention=retention,
-        ) as claim:
-            if claim.duplicate:
-                return claim.cached_response
+        # `with self.claim(...)` unrolled: this is the hot path, and a
+        # generator-based context manager costs more than the rest of it.
+        fields = ClaimFields(event_type, payload_fingerprint, ordering_key, sequence, retention)
+        claim = self.claim_once(correlation_id, fields)
+        if claim.duplicate:
+            return claim.cached_response
+        watch = self._renewer.watch(claim)
+        try:
             record = self.commit(claim, handler(claim))
-        return record.response
+        except BaseException as error:
+            Renewer.end(watch)
+            self._release_quietly(claim, error)
+            raise
+        Renewer.end(watch)
+        response: bytes = record.response
+        return response
 
     def claim_many(
         self, correlation_ids: Sequence[str], fields: ClaimFields = ClaimFields()
@@ -227,25 +235,16 @@ class Client:
             if callable(add_note):
                 add_note(note)
 
-    @contextlib.contextmanager
-    def _renewing(self, claim: Claim) -> Iterator[None]:
-        """Renews the lease every third of its length while the block runs."""
-        stop = threading.Event()
+    def _send_renewal(self, claim: Claim) -> Any:
+        """One Renew, not waited for and not retried (the renewer tries
+        again a beat later)."""
+        return self._stub.Renew.future(
+            protocol.renew_request(claim, self.settings),
+            metadata=call_metadata(self._metadata),
+            timeout=self._timeout,
+        )
 
-        def renew() -> None:
-            while not stop.wait(self.settings.lease / 3):
-                try:
-                    self.renew(claim)
-                except protocol.LeaseLost:
-                    claim.lease_lost = True
-                    return  # The commit will be refused and say so.
-                except DedupError:
-                    continue  # Try again at the next beat; the lease has two left.
 
-        thread = threading.Thread(target=renew, name=f"dedupd-renew-{claim.correlation_id}", daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            thread.join()
+def _is_lease_lost(error: Any) -> bool:
+    code = error.code() if isinstance(error, grpc.Call) else None
+    return bool(code == grpc.StatusCode.FAILED_PRECONDITION)
