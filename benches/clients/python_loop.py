@@ -131,9 +131,11 @@ def run(loop: Loop, events: int, threads: int) -> Dict[str, float]:
         thread.start()
     start_line.wait()
     began = time.perf_counter()
+    cpu_began = time.process_time()
     for thread in workers:
         thread.join()
     elapsed = time.perf_counter() - began
+    cpu = time.process_time() - cpu_began
     if failures:
         raise failures[0]
     every = sorted(latency for mine in latencies for latency in mine)
@@ -142,6 +144,30 @@ def run(loop: Loop, events: int, threads: int) -> Dict[str, float]:
         "events_per_s": len(every) / elapsed,
         "p50_us": every[len(every) // 2] * 1e6,
         "p99_us": every[int(len(every) * 0.99)] * 1e6,
+        # This process's CPU per event, gRPC's own threads included.
+        "cpu_us": cpu / len(every) * 1e6,
+    }
+
+
+def beyond(ours: Loop, raw: Loop, events: int) -> Dict[str, float]:
+    """What `process()` costs beyond its two calls, measured pairwise: the
+    two loops alternate event by event on one thread, so both see the same
+    moments of the machine; the difference of their p50 latencies, and of
+    their mean CPU on this thread per event (gRPC's own threads do the same
+    work for both)."""
+    prefix = uuid.uuid4().hex[:12]
+    latency: Dict[str, List[float]] = {"ours": [], "raw": []}
+    cpu: Dict[str, List[float]] = {"ours": [], "raw": []}
+    for n in range(events):
+        for name, loop in (("ours", ours), ("raw", raw)) if n % 2 else (("raw", raw), ("ours", ours)):
+            event_id = f"{prefix}-{name}-{n}"
+            began, cpu_began = time.perf_counter(), time.thread_time()
+            loop(event_id)
+            cpu[name].append(time.thread_time() - cpu_began)
+            latency[name].append(time.perf_counter() - began)
+    return {
+        "p50_us": (statistics.median(latency["ours"]) - statistics.median(latency["raw"])) * 1e6,
+        "cpu_us": (statistics.fmean(cpu["ours"]) - statistics.fmean(cpu["raw"])) * 1e6,
     }
 
 
@@ -164,7 +190,7 @@ def main() -> int:
     peers = {name: makers[name]() for name in args.peers.split(",")}
     # Warm each peer (connections, imports) before anything is timed.
     for loop in peers.values():
-        run(loop, 50 * args.threads, args.threads)
+        run(loop, 200 * args.threads, args.threads)
     figures: Dict[str, List[Dict[str, float]]] = {name: [] for name in peers}
     for round_ in range(args.rounds):
         for name, loop in peers.items():
@@ -177,6 +203,15 @@ def main() -> int:
         rate = statistics.median(r["events_per_s"] for r in results)
         p50 = statistics.median(r["p50_us"] for r in results)
         print(f"#   {name:<11} {rate:8.0f} events/s   p50 {p50:7.0f} us", file=sys.stderr)
+    if "dedupd" in peers and "raw" in peers and args.threads == 1:
+        extra = beyond(peers["dedupd"], peers["raw"], args.events)
+        line = {"client": "python", "peer": "beyond", "setting": args.setting, "concurrency": 1}
+        print(json.dumps({**line, **{k: round(v, 1) for k, v in extra.items()}}))
+        print(
+            f"#   process() beyond its two calls (interleaved): {extra['p50_us']:+.0f} us p50, "
+            f"{extra['cpu_us']:+.0f} us CPU",
+            file=sys.stderr,
+        )
     return 0
 
 

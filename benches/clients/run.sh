@@ -3,8 +3,9 @@
 # clients against AWS Powertools' idempotency on Redis, side by side in one
 # run, durable against durable and fast against fast.
 #
-#   benches/clients/run.sh [--events 2000] [--rounds 3] [--concurrency "1 8"]
+#   benches/clients/run.sh [--events 2000] [--rounds 5] [--concurrency "1 8"]
 #                          [--clients "python node"] [--out benches/results/clients.jsonl]
+#                          [--plot docs/benchmarks/clients.png]
 #
 # durable: dedupd --sync always (embedded store) vs Redis appendfsync always
 # fast:    dedupd --sync none                    vs Redis appendfsync everysec
@@ -15,7 +16,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 . benches/lib.sh
-events=2000 rounds=3 concurrency="1 8" clients="python node" out=benches/results/clients.jsonl
+events=2000 rounds=5 concurrency="1 8" clients="python node" out=benches/results/clients.jsonl
+plot=docs/benchmarks/clients.png
 while [ $# -gt 0 ]; do
   case "$1" in
     --events) events=$2; shift 2 ;;
@@ -23,6 +25,7 @@ while [ $# -gt 0 ]; do
     --concurrency) concurrency=$2; shift 2 ;;
     --clients) clients=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
+    --plot) plot=$2; shift 2 ;;
     *) bench_unknown "$1" ;;
   esac
 done
@@ -91,4 +94,11 @@ for client in $clients; do
     done
   done
 done
-echo "figures in $out" >&2
+# The table for BENCHMARKS.md, and the plot (matplotlib, in the virtualenv
+# benches/compare.sh uses).
+plots="${XDG_CACHE_HOME:-$HOME/.cache}/dedupd-bench/plots"
+if [ ! -x "$plots/bin/python" ] || ! "$plots/bin/python" -c 'import matplotlib' 2>/dev/null; then
+  python3 -m venv "$plots" >&2 && "$plots/bin/pip" install --quiet -r benches/requirements.txt >&2
+fi
+"$plots/bin/python" benches/clients/report.py "$out" "$plot"
+echo "figures in $out, plot in $plot" >&2

@@ -108,21 +108,26 @@ async function run(loop, count) {
     }
   };
   const began = process.hrtime.bigint();
+  const cpuBegan = process.cpuUsage();
   await Promise.all(Array.from({ length: concurrency }, (_, index) => worker(index)));
   const elapsed = Number(process.hrtime.bigint() - began) / 1e9;
+  const cpu = process.cpuUsage(cpuBegan);
   latencies.sort((a, b) => a - b);
   return {
     events: latencies.length,
     events_per_s: latencies.length / elapsed,
     p50_us: latencies[Math.floor(latencies.length / 2)],
     p99_us: latencies[Math.floor(latencies.length * 0.99)],
+    // This process's CPU per event (libuv's threads included).
+    cpu_us: (cpu.user + cpu.system) / latencies.length,
   };
 }
 
 const makers = { powertools: powertoolsLoop, dedupd: dedupdLoop, raw: rawLoop };
 const peers = {};
 for (const name of args.peers.split(',')) peers[name] = await makers[name]();
-for (const loop of Object.values(peers)) await run(loop, 50 * concurrency);
+// Warm each peer (connections, and V8's optimising compiler) first.
+for (const loop of Object.values(peers)) await run(loop, 500 * concurrency);
 const figures = Object.fromEntries(Object.keys(peers).map((name) => [name, []]));
 for (let round = 0; round < rounds; round += 1) {
   for (const [name, loop] of Object.entries(peers)) {
@@ -138,5 +143,34 @@ for (const [name, results] of Object.entries(figures)) {
   const rate = median(results.map((r) => r.events_per_s));
   const p50 = median(results.map((r) => r.p50_us));
   console.error(`#   ${name.padEnd(11)} ${rate.toFixed(0).padStart(8)} events/s   p50 ${p50.toFixed(0).padStart(7)} us`);
+}
+// What process() costs beyond its two calls, measured pairwise: the two
+// loops alternate event by event, so both see the same moments of the
+// machine; the difference of their p50 latencies and of their mean CPU per
+// event (the process's: the event loop does the same work for both).
+if (peers.dedupd && peers.raw && concurrency === 1) {
+  const prefix = randomUUID().slice(0, 12);
+  const latency = { ours: [], raw: [] };
+  const cpu = { ours: [], raw: [] };
+  for (let n = 0; n < events; n += 1) {
+    const order = n % 2 ? [['ours', peers.dedupd], ['raw', peers.raw]] : [['raw', peers.raw], ['ours', peers.dedupd]];
+    for (const [name, loop] of order) {
+      const began = process.hrtime.bigint();
+      const cpuBegan = process.cpuUsage();
+      await loop.one(`${prefix}-${name}-${n}`);
+      const used = process.cpuUsage(cpuBegan);
+      cpu[name].push(used.user + used.system);
+      latency[name].push(Number(process.hrtime.bigint() - began) / 1e3);
+    }
+  }
+  const mean = (values) => values.reduce((a, b) => a + b, 0) / values.length;
+  const extra = {
+    p50_us: median([...latency.ours]) - median([...latency.raw]),
+    cpu_us: mean(cpu.ours) - mean(cpu.raw),
+  };
+  const rounded = Object.fromEntries(Object.entries(extra).map(([k, v]) => [k, Math.round(v * 10) / 10]));
+  console.log(JSON.stringify({ client: 'node', peer: 'beyond', setting: args.setting, concurrency: 1, ...rounded }));
+  const signed = (v) => `${v >= 0 ? '+' : ''}${v.toFixed(0)}`;
+  console.error(`#   process() beyond its two calls (interleaved): ${signed(extra.p50_us)} us p50, ${signed(extra.cpu_us)} us CPU`);
 }
 for (const loop of Object.values(peers)) await loop.close();

@@ -74,9 +74,12 @@ export declare class Client {
     private readonly metadata;
     private readonly timeoutMs;
     private readonly retry;
+    private readonly rpcs;
     constructor(options?: ClientOptions);
     close(): void;
     private call;
+    /** The stub's method, bound once per client (not on every call). */
+    private rpc;
     private translate;
     private claimRequest;
     private claimResult;
@@ -90,6 +93,7 @@ export declare class Client {
     commit(claim: Claim, response?: Result, options?: {
         retentionMs?: number;
     }): Promise<DedupRecord>;
+    private commitRaw;
     /** Releases after a failure; a redelivery may claim at once. Releasing a
      * claim that expired or was released already is not an error. */
     release(claim: Claim): Promise<void>;

@@ -44,6 +44,8 @@ class Renewer:
         self._is_lease_lost = is_lease_lost
         self._lock = threading.Lock()
         self._due: List[Tuple[float, int, Watch]] = []
+        #: Watches that ended while in `_due` (about: see `_schedule`).
+        self._ended = 0
         self._order = itertools.count()
         #: When the thread will next look (it is told only of earlier claims).
         self._looks_at = float("inf")
@@ -57,10 +59,11 @@ class Renewer:
         self._schedule(watch, time.monotonic() + self._beat())
         return watch
 
-    @staticmethod
-    def end(watch: Watch) -> None:
+    def end(self, watch: Watch) -> None:
         """The claim's work is over: no more renewals."""
-        watch.ended = True
+        with self._lock:
+            watch.ended = True
+            self._ended += 1
 
     def close(self) -> None:
         with self._lock:
@@ -70,14 +73,18 @@ class Renewer:
 
     def _schedule(self, watch: Watch, due: float) -> None:
         with self._lock:
-            if self._closed:
+            if self._closed or watch.ended:
                 return
             heapq.heappush(self._due, (due, next(self._order), watch))
-            # Ended watches stay until they come due; past a bound, drop them
-            # so a busy client's heap holds about its running claims.
-            if len(self._due) > 1024 and len(self._due) % 1024 == 0:
+            # An ended watch stays until it comes due or the heap is rebuilt
+            # without it, once ended ones are most of it: so the heap holds
+            # about the running claims, not every claim of the last beat
+            # (thousands of objects the garbage collector would scan again
+            # and again).
+            if self._ended > 64 and 2 * self._ended > len(self._due):
                 self._due = [entry for entry in self._due if not entry[2].ended]
                 heapq.heapify(self._due)
+                self._ended = 0
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="dedupd-renewal", daemon=True)
                 self._thread.start()
@@ -93,7 +100,9 @@ class Renewer:
                 now = time.monotonic()
                 while self._due and (self._due[0][2].ended or self._due[0][0] <= now):
                     _, _, watch = heapq.heappop(self._due)
-                    if not watch.ended:
+                    if watch.ended:
+                        self._ended -= 1
+                    else:
                         due_now.append(watch)
                 self._looks_at = self._due[0][0] if self._due else now + self._beat()
                 wait = self._looks_at - now

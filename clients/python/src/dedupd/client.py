@@ -162,10 +162,10 @@ class Client:
         try:
             yield claim
         except BaseException as error:
-            Renewer.end(watch)
+            self._renewer.end(watch)
             self._release_quietly(claim, error)
             raise
-        Renewer.end(watch)
+        self._renewer.end(watch)
         if not claim.settled:
             self.release(claim)
 
@@ -194,10 +194,10 @@ class Client:
         try:
             record = self.commit(claim, handler(claim))
         except BaseException as error:
-            Renewer.end(watch)
+            self._renewer.end(watch)
             self._release_quietly(claim, error)
             raise
-        Renewer.end(watch)
+        self._renewer.end(watch)
         response: bytes = record.response
         return response
 
