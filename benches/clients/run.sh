@@ -11,7 +11,8 @@
 # fast:    dedupd --sync none                    vs Redis appendfsync everysec
 # Starts its own sidecars and Redis servers on ports 51011-51014 (data in a
 # temp dir) and stops them on exit. Needs redis-server, python3 and node on
-# PATH; the peers' packages are installed in ~/.cache/dedupd-bench.
+# PATH; the peers' packages are installed in ~/.cache/dedupd-bench. Every
+# event's answer is checked, so a run is also a test of both loops.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -48,7 +49,14 @@ node_env() {
   (cd benches/clients/node && npm ci --silent >&2)
 }
 
-bench_build --bin dedupd
+# DEDUPD_BIN: a binary to run instead of the release build (CI's smoke run
+# uses the debug build; figures come from the release build only).
+if [ -n "${DEDUPD_BIN:-}" ]; then
+  bin=$DEDUPD_BIN work=$(mktemp -d) pids=()
+  trap bench_cleanup EXIT
+else
+  bench_build --bin dedupd
+fi
 wait_port() { # port
   for _ in $(seq 1 200); do
     if bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; then return 0; fi
