@@ -80,9 +80,8 @@ impl<S: Store> Engine<S> {
     /// The time a decision is taken at: the clock's interval, if it can be
     /// trusted (on a shared store, the store's clock measured recently and
     /// closely enough: [`crate::time_policy`]); otherwise the call is
-    /// UNAVAILABLE. Read once per call: a store that draws the fencing
-    /// token runs the machine again after its write, and that run must
-    /// reach the decision the write was made from.
+    /// UNAVAILABLE. Read before a call's store work and again for each of
+    /// its write attempts ([`Engine::attempt_time`]).
     fn decision_time(&self) -> Result<Now, Error> {
         self.clock.verify().map_err(Error::Unavailable)?;
         Ok(self.clock.interval())

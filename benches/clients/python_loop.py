@@ -8,7 +8,7 @@ trivial handler, fresh IDs, run through
   nothing else: the floor `process()` adds its own cost to.
 
 Peers alternate within each round, so they share the machine's state.
-Every event is checked: the handler ran once and its answer came back.
+Every event is checked: its answer came back.
 Prints one JSON line per peer and round (events/s, p50 and p99 of one
 event), then a table of medians. Run by benches/clients/run.sh, which
 starts the servers.
@@ -190,7 +190,7 @@ def main() -> int:
     peers = {name: makers[name]() for name in args.peers.split(",")}
     # Warm each peer (connections, imports) before anything is timed.
     for loop in peers.values():
-        run(loop, 200 * args.threads, args.threads)
+        run(loop, min(args.events, 200 * args.threads), args.threads)
     figures: Dict[str, List[Dict[str, float]]] = {name: [] for name in peers}
     for round_ in range(args.rounds):
         for name, loop in peers.items():

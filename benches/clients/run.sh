@@ -33,16 +33,16 @@ done
 command -v redis-server >/dev/null || { echo "redis-server is not on PATH" >&2; exit 1; }
 
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/dedupd-bench"
-python_env() {
+python_env() { # sets py
   local venv="$cache/clients-python"
   if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import aws_lambda_powertools.utilities.idempotency, redis' 2>/dev/null; then
-    python3 -m venv "$venv" >&2
-    "$venv/bin/pip" install --quiet -r benches/clients/requirements.txt >&2
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet -r benches/clients/requirements.txt
   fi
   # The client from this tree, afresh every run (it is what is measured).
-  "$venv/bin/pip" install --quiet ./clients/python >&2
-  "$venv/bin/pip" install --quiet --no-deps --force-reinstall ./clients/python >&2
-  echo "$venv/bin/python"
+  "$venv/bin/pip" install --quiet ./clients/python
+  "$venv/bin/pip" install --quiet --no-deps --force-reinstall ./clients/python
+  py="$venv/bin/python"
 }
 node_env() {
   (cd clients/node && npm ci --silent >&2 && npm run --silent build >&2)
@@ -57,6 +57,11 @@ if [ -n "${DEDUPD_BIN:-}" ]; then
 else
   bench_build --bin dedupd
 fi
+port_free() { # port: nothing may answer there yet (an orphan of an earlier run would be measured)
+  if bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; then
+    echo "port $1 is taken: stop what listens there first" >&2; exit 1
+  fi
+}
 wait_port() { # port
   for _ in $(seq 1 200); do
     if bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; then return 0; fi
@@ -65,15 +70,19 @@ wait_port() { # port
   echo "nothing answers on port $1" >&2; exit 1
 }
 start_redis() { # port appendfsync
+  port_free "$1"
   mkdir -p "$work/redis-$1"
   redis-server --port "$1" --bind 127.0.0.1 --save "" --appendonly yes --appendfsync "$2" \
     --dir "$work/redis-$1" --daemonize no --logfile "$work/redis-$1.log" & pids+=($!)
   wait_port "$1"
+  kill -0 "$!"
 }
 start_dedupd() { # port sync
+  port_free "$1"
   "$bin" --listen "127.0.0.1:$1" --metrics-listen off --data-dir "$work/dedupd-$1" --sync "$2" \
     --log warn 2>"$work/dedupd-$1.log" & pids+=($!)
   wait_port "$1"
+  kill -0 "$!"
 }
 start_dedupd 51011 always
 start_redis 51012 always
@@ -84,7 +93,7 @@ mkdir -p "$(dirname "$out")"
 : > "$out"
 for client in $clients; do
   case "$client" in
-    python) py=$(python_env) ;;
+    python) python_env ;;
     node) node_env ;;
     *) bench_unknown "$client" ;;
   esac

@@ -127,7 +127,7 @@ const makers = { powertools: powertoolsLoop, dedupd: dedupdLoop, raw: rawLoop };
 const peers = {};
 for (const name of args.peers.split(',')) peers[name] = await makers[name]();
 // Warm each peer (connections, and V8's optimising compiler) first.
-for (const loop of Object.values(peers)) await run(loop, 500 * concurrency);
+for (const loop of Object.values(peers)) await run(loop, Math.min(events, 500 * concurrency));
 const figures = Object.fromEntries(Object.keys(peers).map((name) => [name, []]));
 for (let round = 0; round < rounds; round += 1) {
   for (const [name, loop] of Object.entries(peers)) {

@@ -133,6 +133,32 @@ def test_one_renewal_thread_keeps_many_long_handlers_leases(sidecar: Sidecar) ->
     assert len(renewal_threads) == 1, [t.name for t in renewal_threads]
 
 
+def test_an_idle_client_holds_no_renewal_thread(sidecar: Sidecar) -> None:
+    """The renewal thread leaves once nothing is left to renew (so a client
+    dropped without close() holds no thread), and the next long handler
+    starts it again and is renewed."""
+
+    def renewal_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "dedupd-renewal"]
+
+    with dedupd.Client(sidecar.address, lease=0.3) as client, dedupd.Client(sidecar.address) as other:
+        for n in range(20):
+            assert client.process(f"idle-{n}", lambda c: b"quick") == b"quick"
+        deadline = time.monotonic() + 5
+        while renewal_threads() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not renewal_threads(), "the thread left within a few beats"
+
+        def slow(claim: dedupd.Claim) -> bytes:
+            for _ in range(4):
+                time.sleep(0.2)
+                with pytest.raises(dedupd.InProgress):
+                    other.process(claim.correlation_id, lambda c: b"stolen")
+            return b"finished"
+
+        assert client.process("idle-long", slow) == b"finished"
+
+
 def test_a_lost_lease_refuses_the_commit(sidecar: Sidecar) -> None:
     with dedupd.Client(sidecar.address, lease=0.2) as client, dedupd.Client(sidecar.address) as other:
         # claim_once does not renew: a process that stalls past its lease.

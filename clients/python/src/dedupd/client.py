@@ -235,13 +235,13 @@ class Client:
             if callable(add_note):
                 add_note(note)
 
-    def _send_renewal(self, claim: Claim) -> Any:
+    def _send_renewal(self, claim: Claim, deadline: float) -> Any:
         """One Renew, not waited for and not retried (the renewer tries
-        again a beat later)."""
+        again soon), within `deadline` seconds (at most a beat)."""
         return self._stub.Renew.future(
             protocol.renew_request(claim, self.settings),
             metadata=call_metadata(self._metadata),
-            timeout=self._timeout,
+            timeout=min(self._timeout, deadline),
         )
 
 
