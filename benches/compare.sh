@@ -41,14 +41,6 @@ bench_on_exit() {
   psql "$pg_url" -qc "DROP SCHEMA IF EXISTS ${pg_schema:-none} CASCADE" >/dev/null 2>&1 || true
 }
 
-wait_port() { # port
-  for _ in $(seq 1 200); do
-    if bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; then return 0; fi
-    sleep 0.05
-  done
-  echo "nothing answers on port $1" >&2; exit 1
-}
-
 pg_url="postgres://postgres@127.0.0.1:5432/test"
 if ! bash -c "exec 3<>/dev/tcp/127.0.0.1/5432" 2>/dev/null; then
   echo "PostgreSQL does not answer on 127.0.0.1:5432" >&2; exit 1

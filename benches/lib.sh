@@ -10,6 +10,7 @@
 #                               # work, pids
 #   sidecar_pid=...; pids+=("$sidecar_pid")   # stopped at exit
 #   bench_on_exit() { ...; }    # optional: more to stop at exit
+#   wait_port PORT              # until something answers on 127.0.0.1:PORT
 
 # bench_options DEFAULT_DURATION DEFAULT_REPEATS ARGS...: sets duration and
 # repeats; whatever else was given is in bench_rest, for the script.
@@ -50,4 +51,14 @@ bench_cleanup() {
   wait 2>/dev/null || true
   if declare -F bench_on_exit >/dev/null; then bench_on_exit || true; fi
   rm -rf "$work" 2>/dev/null || true
+}
+
+# wait_port PORT: returns once something answers on 127.0.0.1:PORT (10 s at
+# most, then the script exits).
+wait_port() { # port
+  for _ in $(seq 1 200); do
+    if bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; then return 0; fi
+    sleep 0.05
+  done
+  echo "nothing answers on port $1" >&2; exit 1
 }

@@ -62,13 +62,6 @@ port_free() { # port: nothing may answer there yet (an orphan of an earlier run 
     echo "port $1 is taken: stop what listens there first" >&2; exit 1
   fi
 }
-wait_port() { # port
-  for _ in $(seq 1 200); do
-    if bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; then return 0; fi
-    sleep 0.05
-  done
-  echo "nothing answers on port $1" >&2; exit 1
-}
 start_redis() { # port appendfsync
   port_free "$1"
   mkdir -p "$work/redis-$1"
