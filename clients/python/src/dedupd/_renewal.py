@@ -6,9 +6,10 @@ a renewal, a wake-up or a lock wait on another thread.
 
 The thread sleeps until the earliest claim is due, and at most one beat when
 there is none: a claim watched later is due a beat after it was watched, so
-no wake-up is owed to it (one due sooner wakes it). It exits once nothing is
-left to renew, and the next claim starts it again: an idle client holds no
-thread, and one dropped without `close()` can be collected. Renewals are
+no wake-up is owed to it (one due sooner wakes it). It exits once nothing
+has been left to renew for a beat, and the next claim starts it again: an
+idle client holds no thread, and one dropped without `close()` can be
+collected. Renewals are
 sent without waiting (gRPC futures, each with a deadline of at most a beat),
 so one slow sidecar answer never delays the others. The next renewal is
 timed from when the last one was sent; a refused renewal marks the claim
@@ -105,6 +106,7 @@ class Renewer:
                 self._wake.set()
 
     def _run(self) -> None:
+        idle = False
         while True:
             due_now: List[Watch] = []
             with self._lock:
@@ -117,11 +119,17 @@ class Renewer:
                         self._ended -= 1
                     else:
                         due_now.append(watch)
-                if not self._due and not due_now:
-                    # Nothing left to renew: the next claim starts a thread.
+                if self._due or due_now:
+                    idle = False
+                elif idle:
+                    # Nothing to renew for a whole beat: leave; the next
+                    # claim starts a thread. (Not at once: a client whose
+                    # claims each end quickly would start one per claim.)
                     self._thread = None
                     self._ended = 0
                     return
+                else:
+                    idle = True
                 self._looks_at = self._due[0][0] if self._due else now + self._beat()
                 wait = self._looks_at - now
             for watch in due_now:
