@@ -9,9 +9,9 @@ there is none: a claim watched later is due a beat after it was watched, so
 no wake-up is owed to it (one due sooner wakes it). It exits once nothing
 has been left to renew for a beat, and the next claim starts it again: an
 idle client holds no thread, and one dropped without `close()` can be
-collected. Renewals are
-sent without waiting (gRPC futures, each with a deadline of at most a beat),
-so one slow sidecar answer never delays the others. The next renewal is
+collected. Renewals are sent without waiting (gRPC futures, each with a
+deadline of at most a beat), so one slow sidecar answer never delays the
+others. The next renewal is
 timed from when the last one was sent; a refused renewal marks the claim
 `lease_lost`; any other failure is tried again a quarter beat later, so a
 lease gets several tries before it runs out. After `os.fork()` the child

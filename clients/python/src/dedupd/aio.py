@@ -222,7 +222,11 @@ class _Renewal:
         self._client = client
         self._claim = claim
         self._renewing: Optional["asyncio.Task[None]"] = None
-        self._timer = asyncio.get_running_loop().call_later(client.settings.lease / 3, self._due)
+        self._timer = self._arm()
+
+    def _arm(self) -> asyncio.TimerHandle:
+        """The next renewal, a beat from now."""
+        return asyncio.get_running_loop().call_later(self._client.settings.lease / 3, self._due)
 
     def _due(self) -> None:
         self._renewing = asyncio.ensure_future(self._renew())
@@ -235,7 +239,7 @@ class _Renewal:
             return  # The commit will be refused and say so.
         except Exception:  # noqa: BLE001 - a DedupError, or the channel closing under it
             pass  # Try again at the next beat; the lease has two left.
-        self._timer = asyncio.get_running_loop().call_later(self._client.settings.lease / 3, self._due)
+        self._timer = self._arm()
 
     def end(self) -> None:
         """The work is over: no more renewals (one under way is cancelled)."""

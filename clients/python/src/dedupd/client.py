@@ -246,5 +246,6 @@ class Client:
 
 
 def _is_lease_lost(error: Any) -> bool:
-    code = error.code() if isinstance(error, grpc.Call) else None
-    return bool(code == grpc.StatusCode.FAILED_PRECONDITION)
+    """Whether a failed Renew means the lease is gone: the same reading of
+    a status as every other call's (`protocol.translate`)."""
+    return isinstance(error, grpc.RpcError) and isinstance(protocol.translate(error, "Renew", 0.0), protocol.LeaseLost)
