@@ -75,6 +75,7 @@ export declare class Client {
     private readonly timeoutMs;
     private readonly retry;
     private readonly rpcs;
+    private readonly renewals;
     constructor(options?: ClientOptions);
     close(): void;
     private call;
@@ -99,12 +100,14 @@ export declare class Client {
     release(claim: Claim): Promise<void>;
     /** Extends the lease by `leaseMs` from now. */
     renew(claim: Claim): Promise<void>;
+    private renewWithin;
     /** The key's record, or null. */
     lookup(correlationId: string): Promise<DedupRecord | null>;
     /** Runs `handler(claim, signal)` at most once per correlation ID and
      * resolves to its result (as stored); a duplicate resolves to the first
-     * result without calling it. The lease is renewed every third of it while
-     * the handler runs; `signal` aborts if it is lost. If the handler throws,
+     * result without calling it. While the handler runs past a third of the
+     * lease, the lease is renewed every third of it (one timer per client);
+     * `signal` aborts if it is lost. If the handler throws,
      * the claim is released and the handler's error rethrown — a failing
      * release never replaces it. */
     process(correlationId: string, handler: Handler, fields?: ClaimFields): Promise<Buffer>;

@@ -10,6 +10,7 @@ const grpc = require("@grpc/grpc-js");
 const protoLoader = require("@grpc/proto-loader");
 const errors_1 = require("./errors");
 const connection_1 = require("./connection");
+const renewal_1 = require("./renewal");
 const PROTO_ROOT = path.join(__dirname, '..', 'proto');
 let service;
 function serviceConstructor() {
@@ -76,6 +77,7 @@ class Client {
     timeoutMs;
     retry;
     rpcs = new Map();
+    renewals;
     constructor(options = {}) {
         const { target, credentials, options: channelOptions } = (0, connection_1.resolveTarget)(options.address, options.tls);
         const Service = serviceConstructor();
@@ -87,21 +89,26 @@ class Client {
         this.leaseMs = options.leaseMs ?? 30000;
         this.timeoutMs = options.timeoutMs ?? 10000;
         this.retry = (0, connection_1.retryPolicy)(options.retry);
+        // A renewal waits at most a beat: a hung one must not use up the lease.
+        const beat = this.leaseMs / 3;
+        // Nor is it retried here: the renewer tries again a quarter beat later.
+        this.renewals = new renewal_1.Renewals(beat, (claim) => this.renewWithin(claim, Math.min(beat, this.timeoutMs), 1));
     }
     close() {
+        this.renewals.close();
         this.client.close();
     }
-    async call(method, request) {
+    async call(method, request, timeoutMs = this.timeoutMs, attempts = this.retry.attempts) {
         const rpc = this.rpc(method);
         for (let attempt = 0;; attempt += 1) {
             try {
                 return await new Promise((resolve, reject) => {
-                    rpc(request, (0, connection_1.callMetadata)(this.metadata), { deadline: Date.now() + this.timeoutMs }, (error, response) => error ? reject(error) : resolve(response));
+                    rpc(request, (0, connection_1.callMetadata)(this.metadata), { deadline: Date.now() + timeoutMs }, (error, response) => error ? reject(error) : resolve(response));
                 });
             }
             catch (error) {
                 const failure = error;
-                if (failure.code === grpc.status.UNAVAILABLE && attempt + 1 < this.retry.attempts) {
+                if (failure.code === grpc.status.UNAVAILABLE && attempt + 1 < attempts) {
                     await new Promise((resolve) => setTimeout(resolve, (0, connection_1.backoff)(this.retry, attempt)));
                     continue;
                 }
@@ -224,8 +231,11 @@ class Client {
     }
     /** Extends the lease by `leaseMs` from now. */
     async renew(claim) {
+        await this.renewWithin(claim, this.timeoutMs, this.retry.attempts);
+    }
+    async renewWithin(claim, timeoutMs, attempts) {
         Client.claimable(claim, 'renew');
-        await this.call('Renew', { ...Client.key(claim), lease_ttl: toDuration(this.leaseMs) });
+        await this.call('Renew', { ...Client.key(claim), lease_ttl: toDuration(this.leaseMs) }, timeoutMs, attempts);
     }
     /** The key's record, or null. */
     async lookup(correlationId) {
@@ -237,8 +247,9 @@ class Client {
     }
     /** Runs `handler(claim, signal)` at most once per correlation ID and
      * resolves to its result (as stored); a duplicate resolves to the first
-     * result without calling it. The lease is renewed every third of it while
-     * the handler runs; `signal` aborts if it is lost. If the handler throws,
+     * result without calling it. While the handler runs past a third of the
+     * lease, the lease is renewed every third of it (one timer per client);
+     * `signal` aborts if it is lost. If the handler throws,
      * the claim is released and the handler's error rethrown — a failing
      * release never replaces it. */
     async process(correlationId, handler, fields = {}) {
@@ -250,21 +261,13 @@ class Client {
         if (claim.duplicate)
             return claim.cachedResponse;
         const lease = new AbortController();
-        const renewing = setInterval(() => {
-            this.renew(claim).catch((error) => {
-                if (error instanceof errors_1.LeaseLost) {
-                    clearInterval(renewing);
-                    lease.abort(error);
-                }
-                // Anything else: try again at the next beat; the lease has two left.
-            });
-        }, this.leaseMs / 3);
+        const watch = this.renewals.watch(claim, lease);
         let result;
         try {
             result = await handler(claim, lease.signal);
         }
         catch (error) {
-            clearInterval(renewing);
+            this.renewals.end(watch);
             try {
                 await this.release(claim);
             }
@@ -275,7 +278,7 @@ class Client {
             }
             throw error;
         }
-        clearInterval(renewing);
+        this.renewals.end(watch);
         // Only the stored response is handed back: no full record is built.
         return (await this.commitRaw(claim, result)).response;
     }

@@ -24,6 +24,7 @@ import {
   type RetryOptions,
   type TlsOptions,
 } from './connection';
+import { Renewals } from './renewal';
 
 /** What a handler may return: cached by Commit, handed to duplicates. */
 export type Result = Buffer | Uint8Array | string | null | undefined;
@@ -188,6 +189,7 @@ export class Client {
   private readonly timeoutMs: number;
   private readonly retry: Retry;
   private readonly rpcs = new Map<string, Unary>();
+  private readonly renewals: Renewals;
 
   constructor(options: ClientOptions = {}) {
     const { target, credentials, options: channelOptions } = resolveTarget(options.address, options.tls);
@@ -200,23 +202,28 @@ export class Client {
     this.leaseMs = options.leaseMs ?? 30000;
     this.timeoutMs = options.timeoutMs ?? 10000;
     this.retry = retryPolicy(options.retry);
+    // A renewal waits at most a beat: a hung one must not use up the lease.
+    const beat = this.leaseMs / 3;
+    // Nor is it retried here: the renewer tries again a quarter beat later.
+    this.renewals = new Renewals(beat, (claim) => this.renewWithin(claim, Math.min(beat, this.timeoutMs), 1));
   }
 
   close(): void {
+    this.renewals.close();
     this.client.close();
   }
 
-  private async call<T>(method: string, request: object): Promise<T> {
+  private async call<T>(method: string, request: object, timeoutMs = this.timeoutMs, attempts = this.retry.attempts): Promise<T> {
     const rpc = this.rpc(method);
     for (let attempt = 0; ; attempt += 1) {
       try {
         return await new Promise<T>((resolve, reject) => {
-          rpc(request, callMetadata(this.metadata), { deadline: Date.now() + this.timeoutMs }, (error, response) =>
+          rpc(request, callMetadata(this.metadata), { deadline: Date.now() + timeoutMs }, (error, response) =>
             error ? reject(error) : resolve(response as T));
         });
       } catch (error) {
         const failure = error as grpc.ServiceError;
-        if (failure.code === grpc.status.UNAVAILABLE && attempt + 1 < this.retry.attempts) {
+        if (failure.code === grpc.status.UNAVAILABLE && attempt + 1 < attempts) {
           await new Promise((resolve) => setTimeout(resolve, backoff(this.retry, attempt)));
           continue;
         }
@@ -347,8 +354,12 @@ export class Client {
 
   /** Extends the lease by `leaseMs` from now. */
   async renew(claim: Claim): Promise<void> {
+    await this.renewWithin(claim, this.timeoutMs, this.retry.attempts);
+  }
+
+  private async renewWithin(claim: Claim, timeoutMs: number, attempts: number): Promise<void> {
     Client.claimable(claim, 'renew');
-    await this.call('Renew', { ...Client.key(claim), lease_ttl: toDuration(this.leaseMs) });
+    await this.call('Renew', { ...Client.key(claim), lease_ttl: toDuration(this.leaseMs) }, timeoutMs, attempts);
   }
 
   /** The key's record, or null. */
@@ -362,8 +373,9 @@ export class Client {
 
   /** Runs `handler(claim, signal)` at most once per correlation ID and
    * resolves to its result (as stored); a duplicate resolves to the first
-   * result without calling it. The lease is renewed every third of it while
-   * the handler runs; `signal` aborts if it is lost. If the handler throws,
+   * result without calling it. While the handler runs past a third of the
+   * lease, the lease is renewed every third of it (one timer per client);
+   * `signal` aborts if it is lost. If the handler throws,
    * the claim is released and the handler's error rethrown — a failing
    * release never replaces it. */
   async process(correlationId: string, handler: Handler, fields: ClaimFields = {}): Promise<Buffer> {
@@ -373,20 +385,12 @@ export class Client {
     if (claim instanceof Error) throw claim;
     if (claim.duplicate) return claim.cachedResponse;
     const lease = new AbortController();
-    const renewing = setInterval(() => {
-      this.renew(claim).catch((error: unknown) => {
-        if (error instanceof LeaseLost) {
-          clearInterval(renewing);
-          lease.abort(error);
-        }
-        // Anything else: try again at the next beat; the lease has two left.
-      });
-    }, this.leaseMs / 3);
+    const watch = this.renewals.watch(claim, lease);
     let result: Result;
     try {
       result = await handler(claim, lease.signal);
     } catch (error) {
-      clearInterval(renewing);
+      this.renewals.end(watch);
       try {
         await this.release(claim);
       } catch (failure) {
@@ -396,7 +400,7 @@ export class Client {
       }
       throw error;
     }
-    clearInterval(renewing);
+    this.renewals.end(watch);
     // Only the stored response is handed back: no full record is built.
     return (await this.commitRaw(claim, result)).response;
   }

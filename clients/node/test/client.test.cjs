@@ -88,6 +88,55 @@ test('the lease is renewed while a long handler runs, and its signal stays quiet
   assert.equal(refused, 5);
 });
 
+test('one timer renews every long handler of a client, and an idle client holds none', async (t) => {
+  const sidecar = await startSidecar(t, tempDir(t), '127.0.0.1:0');
+  const dedup = new Client({ address: sidecar.address, leaseMs: 600 });
+  const other = new Client({ address: sidecar.address });
+  t.after(() => { dedup.close(); other.close(); });
+  // The client's own timers (not grpc-js's deadlines): those set from its
+  // dist/ files, alive until they fire or are cleared.
+  const ours = new Set();
+  const real = { setTimeout, setInterval, clearTimeout, clearInterval };
+  const fromClient = () => /[\\/]dist[\\/](renewal|client)\.js/.test(new Error().stack);
+  const track = (set, repeats) => (callback, ms, ...rest) => {
+    const handle = set((...a) => { if (!repeats) ours.delete(handle); callback(...a); }, ms, ...rest);
+    if (fromClient()) ours.add(handle);
+    return handle;
+  };
+  const untrack = (clear) => (handle) => { ours.delete(handle); clear(handle); };
+  global.setTimeout = track(real.setTimeout, false);
+  global.setInterval = track(real.setInterval, true);
+  global.clearTimeout = untrack(real.clearTimeout);
+  global.clearInterval = untrack(real.clearInterval);
+  t.after(() => Object.assign(global, real));
+  const timers = () => [...ours].filter((handle) => handle.hasRef()).length;
+  // Eight handlers wait on a promise only the test resolves (no timer of
+  // their own), for more than three leases.
+  let finish;
+  const finished = new Promise((resolve) => { finish = resolve; });
+  const signals = [];
+  const running = Array.from({ length: 8 }, (_, i) => dedup.process(`many-${i}`, async (claim, signal) => {
+    signals.push(signal);
+    await finished;
+    return `done-${i}`;
+  }));
+  while (signals.length < 8) await new Promise((resolve) => setImmediate(resolve));
+  const deadline = Date.now() + 2000;
+  let most = 0;
+  while (Date.now() < deadline) {
+    most = Math.max(most, timers());
+    // Not a timer of the client's: a macrotask at a time, polled.
+    await new Promise((resolve) => setImmediate(resolve));
+  }
+  for (let i = 0; i < 8; i += 1) await assert.rejects(other.claimOnce(`many-${i}`), InProgress, `many-${i} is held`);
+  finish();
+  const results = await Promise.all(running);
+  assert.deepEqual(results.map(String), Array.from({ length: 8 }, (_, i) => `done-${i}`));
+  assert.ok(signals.every((signal) => !signal.aborted));
+  assert.equal(most, 1, 'one renewal timer for eight handlers');
+  assert.equal(timers(), 0, 'no timer holds the process once no handler runs');
+});
+
 test('a lost lease aborts the handler\'s signal and refuses the commit', async (t) => {
   const sidecar = await startSidecar(t, tempDir(t), '127.0.0.1:0');
   const dedup = new Client({ address: sidecar.address, leaseMs: 300 });

@@ -1,0 +1,95 @@
+// Lease renewal for process(): one timer per client, not one per claim.
+//
+// Most handlers end long before a third of their lease, so a claim costs a
+// Set insertion and a deletion here; only work that outlives a beat (a third
+// of the lease) is renewed. The timer looks every quarter beat while claims
+// are watched, so a renewal is sent between 1 and 1¼ beats after the last
+// one — well inside the lease's three — and stops looking once nothing is
+// watched. While a handler runs the timer holds the process alive (as work
+// in progress should); once none runs it is unref'd, so an idle client
+// never keeps a process from exiting and ending a handler clears nothing.
+
+import type { Claim } from './client';
+import { LeaseLost } from './errors';
+
+/** One running handler's claim, as the renewer sees it. */
+export interface Watch {
+  readonly claim: Claim;
+  /** Aborted (with the LeaseLost) when a renewal finds the lease lost. */
+  readonly lease: AbortController;
+  /** When its next renewal is due (ms since the epoch). */
+  due: number;
+  /** A renewal of it is in flight: never two at once. */
+  renewing: boolean;
+  /** The work is over: a late answer to a renewal is ignored. */
+  ended: boolean;
+}
+
+export class Renewals {
+  private readonly watches = new Set<Watch>();
+  private timer: NodeJS.Timeout | undefined;
+
+  /** `renew` sends one renewal with a deadline of at most `beatMs`. */
+  constructor(
+    private readonly beatMs: number,
+    private readonly renew: (claim: Claim) => Promise<void>,
+  ) {}
+
+  /** Starts watching a claim whose handler is about to run. */
+  watch(claim: Claim, lease: AbortController): Watch {
+    const watch: Watch = { claim, lease, due: Date.now() + this.beatMs, renewing: false, ended: false };
+    this.watches.add(watch);
+    if (this.timer === undefined) this.arm();
+    else if (this.watches.size === 1) this.timer.ref();
+    return watch;
+  }
+
+  /** The handler is over: no renewal is sent for it from now on. */
+  end(watch: Watch): void {
+    watch.ended = true;
+    if (this.watches.delete(watch) && this.watches.size === 0) this.timer?.unref();
+  }
+
+  /** The client is closed: nothing is renewed any more. */
+  close(): void {
+    if (this.timer !== undefined) clearTimeout(this.timer);
+    this.timer = undefined;
+    for (const watch of this.watches) watch.ended = true;
+    this.watches.clear();
+  }
+
+  private arm(): void {
+    this.timer = setTimeout(() => this.look(), this.beatMs / 4);
+  }
+
+  private look(): void {
+    this.timer = undefined;
+    const now = Date.now();
+    for (const watch of this.watches) {
+      if (watch.renewing || watch.due > now) continue;
+      watch.renewing = true;
+      // Timed from when it is sent, as the lease it asks for is.
+      watch.due = now + this.beatMs;
+      this.renew(watch.claim).then(
+        () => {
+          watch.renewing = false;
+        },
+        (error: unknown) => this.failed(watch, error, now),
+      );
+    }
+    if (this.watches.size > 0) this.arm();
+  }
+
+  private failed(watch: Watch, error: unknown, sentAt: number): void {
+    watch.renewing = false;
+    if (watch.ended) return; // the work is over: nothing to abort
+    if (error instanceof LeaseLost) {
+      this.end(watch);
+      watch.lease.abort(error);
+    } else {
+      // Unavailable, a deadline: again a quarter beat after the failed
+      // one was sent; the lease has two beats left.
+      watch.due = sentAt + this.beatMs / 4;
+    }
+  }
+}
