@@ -301,6 +301,12 @@ pub struct ServeArgs {
     /// and the way to learn ports chosen with `:0`.
     #[arg(long, env = "DEDUPD_READY_FILE")]
     pub ready_file: Option<PathBuf>,
+    /// Seal every stored answer (XChaCha20-Poly1305): a file holding one
+    /// 32-byte key as base64 or hex (`openssl rand -base64 32`), or a
+    /// directory of them (a Secret mount); repeatable. The key whose file
+    /// name sorts last seals; every key opens.
+    #[arg(long, env = "DEDUPD_ENCRYPTION_KEY_FILE", value_delimiter = ',')]
+    pub encryption_key_file: Vec<PathBuf>,
     /// The HTTP idempotency proxy (off unless --http-proxy-listen is set).
     #[command(flatten)]
     pub http_proxy: HttpProxyArgs,
@@ -840,6 +846,8 @@ pub struct Settings {
     pub shutdown_grace: Duration,
     /// Where to announce readiness.
     pub ready_file: Option<PathBuf>,
+    /// The key files answers are sealed with (none: stored in plaintext).
+    pub encryption_key_files: Vec<PathBuf>,
     /// Log format.
     pub log_format: LogFormat,
     /// Log filter.
@@ -1175,6 +1183,7 @@ impl ServeArgs {
             reaper_interval,
             shutdown_grace: self.shutdown_grace.into(),
             ready_file: self.ready_file.clone(),
+            encryption_key_files: self.encryption_key_file.clone(),
             log_format: self.log_format,
             log_filter,
             worker_threads: self.worker_threads,

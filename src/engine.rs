@@ -11,11 +11,13 @@ use crate::{
     clock::{Clock, Now, UnixMillis},
     domain::{
         ClaimOutcome, ClaimRequest, CommitOutcome, CommitRequest, Key, LeaseLost, LeaseToken,
-        OrderingScope, OutcomeKind, Record, ReleaseOutcome, ReleaseRequest, RenewRequest,
+        OrderingScope, OutcomeKind, Record, RecordState, ReleaseOutcome, ReleaseRequest,
+        RenewRequest,
     },
     error::Error,
     machine,
     metrics::Metrics,
+    sealing::{Binding, Keyring},
     store::{Attempt, Store},
     telemetry,
 };
@@ -25,12 +27,15 @@ pub struct Engine<S> {
     store: Arc<S>,
     clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
+    /// Seals every answer before the store sees it ([`crate::sealing`]).
+    keyring: Option<Arc<Keyring>>,
 }
 
 impl<S> fmt::Debug for Engine<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Engine")
             .field("clock", &self.clock)
+            .field("keyring", &self.keyring)
             .finish()
     }
 }
@@ -41,6 +46,7 @@ impl<S> Clone for Engine<S> {
             store: Arc::clone(&self.store),
             clock: Arc::clone(&self.clock),
             metrics: Arc::clone(&self.metrics),
+            keyring: self.keyring.clone(),
         }
     }
 }
@@ -52,7 +58,15 @@ impl<S: Store> Engine<S> {
             store,
             clock,
             metrics: Arc::new(Metrics::new()),
+            keyring: None,
         }
+    }
+
+    /// The same engine, sealing every answer it stores with `keyring` and
+    /// opening every answer it reads (none is stored or answered in
+    /// plaintext from then on).
+    pub fn with_keyring(self, keyring: Option<Arc<Keyring>>) -> Self {
+        Engine { keyring, ..self }
     }
 
     /// The same engine, counting its outcomes in `metrics`.
@@ -227,7 +241,10 @@ impl<S: Store> Engine<S> {
             .await?;
         // What we read may be someone's not yet durable write.
         self.wait_durable().await?;
-        Ok(machine::live(record.as_ref(), now).cloned())
+        machine::live(record.as_ref(), now)
+            .cloned()
+            .map(|record| self.opened(key, record))
+            .transpose()
     }
 
     /// Delete `key`; true if a live record existed.
@@ -275,7 +292,16 @@ impl<S: Store> Engine<S> {
             })
             .await?;
         self.count(&request.key, outcome.kind());
-        Ok(outcome)
+        match outcome {
+            ClaimOutcome::Duplicate { record } => Ok(ClaimOutcome::Duplicate {
+                record: self.opened(&request.key, record)?,
+            }),
+            ClaimOutcome::FingerprintMismatch { record } => Ok(ClaimOutcome::FingerprintMismatch {
+                record: self.opened(&request.key, record)?,
+            }),
+            // A claim's record holds no answer yet.
+            outcome => Ok(outcome),
+        }
     }
 
     fn count(&self, key: &Key, outcome: OutcomeKind) {
@@ -287,11 +313,26 @@ impl<S: Store> Engine<S> {
         request: &CommitRequest,
     ) -> Result<Result<CommitOutcome, LeaseLost>, Error> {
         let mut at = self.decision_time()?;
+        let sealed = self.keyring.as_ref().map(|keyring| CommitRequest {
+            response: keyring.seal(
+                &Binding {
+                    key: &request.key,
+                    lease_token: request.lease_token,
+                },
+                &request.response,
+            ),
+            key: request.key.clone(),
+            ..*request
+        });
         let outcome = self
             .store
             .update(&request.key, |current, attempt| {
                 let now = self.attempt_time(&mut at, &attempt)?;
-                Ok(machine::commit(current, request, now))
+                Ok(machine::commit(
+                    current,
+                    sealed.as_ref().unwrap_or(request),
+                    now,
+                ))
             })
             .await?;
         match &outcome {
@@ -305,7 +346,42 @@ impl<S: Store> Engine<S> {
             self.raise_mark(&request.key, committed.record(), at)
                 .await?;
         }
-        Ok(outcome)
+        Ok(match outcome {
+            // Sealed just now from this request: its answer, not opened again.
+            Ok(CommitOutcome::Committed(record)) if sealed.is_some() => {
+                Ok(CommitOutcome::Committed(Record {
+                    response: request.response.clone(),
+                    ..record
+                }))
+            }
+            // Committed before: the answer stored then (a retry may carry another).
+            Ok(CommitOutcome::AlreadyCommitted(record)) => Ok(CommitOutcome::AlreadyCommitted(
+                self.opened(&request.key, record)?,
+            )),
+            outcome => outcome,
+        })
+    }
+
+    /// `record` with its answer opened, when answers are sealed and it holds
+    /// one: an answer that does not open is an error of the call (logged
+    /// where it is answered), never replayed and never claimed afresh.
+    fn opened(&self, key: &Key, record: Record) -> Result<Record, Error> {
+        let Some(keyring) = &self.keyring else {
+            return Ok(record);
+        };
+        if record.state != RecordState::Committed {
+            return Ok(record);
+        }
+        let binding = Binding {
+            key,
+            lease_token: record.lease_token,
+        };
+        match keyring.open(&binding, &record.response) {
+            Ok(response) => Ok(Record { response, ..record }),
+            Err(problem) => Err(Error::Corrupt(format!(
+                "the stored answer of {key} {problem}"
+            ))),
+        }
     }
 
     async fn release_unsynced(

@@ -59,6 +59,7 @@ mod metrics;
 mod ops;
 pub mod proto;
 pub mod proxy;
+pub mod sealing;
 pub mod server;
 mod service;
 pub mod store;

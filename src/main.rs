@@ -13,6 +13,7 @@ use dedupd::{
     config::{LogFormat, ServeArgs, Settings, SharedBackend, StoreSettings},
     credentials::{read_pem_file, TlsFiles},
     inject::{InjectArgs, InjectMetrics, ReloadingCert},
+    sealing::Keyring,
     store::{
         postgres::{redact_url, PostgresStore},
         redis::RedisStore,
@@ -365,6 +366,9 @@ fn configure(args: &ServeArgs) -> Result<(Settings, StoreSettings, ServerConfig)
         metrics: Arc::new(Metrics::new()),
         clock: Arc::new(SystemClock),
         ready_file: settings.ready_file.clone(),
+        keyring: (!settings.encryption_key_files.is_empty())
+            .then(|| Keyring::load(&settings.encryption_key_files).map(Arc::new))
+            .transpose()?,
         connections: settings.connections,
         ..ServerConfig::default()
     };

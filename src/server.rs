@@ -35,6 +35,7 @@ use crate::{
         FILE_DESCRIPTOR_SET,
     },
     proxy::{self, server::ProxyConfig},
+    sealing::Keyring,
     service::DedupService,
     store::Store,
 };
@@ -62,6 +63,8 @@ pub struct ServerConfig {
     pub clock: Arc<dyn Clock>,
     /// Written once serving (the bound addresses, as JSON); removed on exit.
     pub ready_file: Option<PathBuf>,
+    /// Seals every stored answer, when set.
+    pub keyring: Option<Arc<Keyring>>,
     /// What one connection may hold, and how many there may be.
     pub connections: ConnectionLimits,
 }
@@ -106,6 +109,7 @@ impl Default for ServerConfig {
             metrics: Arc::new(Metrics::new()),
             clock: Arc::new(SystemClock),
             ready_file: None,
+            keyring: None,
             connections: ConnectionLimits::default(),
         }
     }
@@ -157,7 +161,8 @@ pub async fn run<S: Store>(
         let _ = std::fs::remove_file(path);
     }
     let engine = Engine::new(Arc::clone(&store), Arc::clone(&config.clock))
-        .with_metrics(Arc::clone(&config.metrics));
+        .with_metrics(Arc::clone(&config.metrics))
+        .with_keyring(config.keyring.clone());
     let limits = Arc::new(config.limits.clone());
     let (health, health_service) = tonic_health::server::health_reporter();
     // SERVING only once calls can be answered: a shared store's schema in

@@ -226,6 +226,19 @@ async fn sigterm_drains_syncs_and_exits_zero() {
 fn bad_configuration_exits_64_with_one_line_before_touching_anything() {
     let dir = tempfile::tempdir().unwrap();
     let data_dir = dir.path().join("never-created");
+    let key_file = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path.to_str().unwrap().to_owned()
+    };
+    let not_a_key = key_file("not-a-key", "correct horse battery staple\n");
+    // 16 bytes, as `openssl rand -base64 16` writes them: too short.
+    let short_key = key_file("short.key", "AAECAwQFBgcICQoLDA0ODw==\n");
+    let good_key = key_file("good.key", &format!("{}\n", "ab".repeat(32)));
+    let twin_key = key_file("twin.key", &"AB".repeat(32));
+    let no_keys = dir.path().join("no-keys");
+    std::fs::create_dir(&no_keys).unwrap();
+    let no_keys = no_keys.to_str().unwrap().to_owned();
     /// Arguments, environment, and a word the error line must contain.
     type Case<'a> = (Vec<&'a str>, Vec<(&'a str, &'a str)>, &'a str);
     let cases: Vec<Case> = vec![
@@ -419,6 +432,31 @@ fn bad_configuration_exits_64_with_one_line_before_touching_anything() {
             "--local-tier-max-age",
         ),
         (vec!["--store", "mongodb"], vec![], "--store"),
+        (
+            vec!["--encryption-key-file", "/no/such.key"],
+            vec![],
+            "--encryption-key-file /no/such.key",
+        ),
+        (
+            vec!["--encryption-key-file", &not_a_key],
+            vec![],
+            "neither base64 nor 64 hexadecimal digits",
+        ),
+        (
+            vec![],
+            vec![("DEDUPD_ENCRYPTION_KEY_FILE", &short_key)],
+            "holds 16 bytes",
+        ),
+        (
+            vec!["--encryption-key-file", &no_keys],
+            vec![],
+            "names no key file",
+        ),
+        (
+            vec!["--encryption-key-file", &good_key, "--encryption-key-file", &twin_key],
+            vec![],
+            "holds the same key as",
+        ),
         (vec!["--memory-budget", "12XB"], vec![], "unknown unit"),
         (
             vec![],

@@ -1453,3 +1453,32 @@ async fn the_issues_scenarios_through_the_binary() {
     assert_eq!(retry.body, answered.body);
     assert_eq!(upstream.calls.get("/slow"), calls_before + 1);
 }
+
+/// Sealed answers (issue 43): the proxy replays what the upstream answered
+/// while its store's files hold no byte of it; without a key they do (so
+/// the look would see it).
+#[tokio::test]
+async fn a_sealed_answer_is_replayed_and_never_stored_in_plaintext() {
+    for sealed in [false, true] {
+        let upstream = upstream().await;
+        let keyring =
+            sealed.then(|| Arc::new(dedupd::sealing::Keyring::from_bytes(&[[9; 32]]).unwrap()));
+        let proxy = sealed_proxy(&upstream, keyring).await;
+        let marker = format!("card-ending-{:016x}", rand::random::<u64>());
+        let body = format!("{{\"secret\":\"{marker}\"}}");
+        let first = post(proxy.address, "/echo", "\"pay-1\"", &body).await;
+        let retry = post(proxy.address, "/echo", "\"pay-1\"", &body).await;
+        assert_eq!(first.status, StatusCode::OK);
+        assert_eq!(retry.body, body, "the retry gets the upstream's answer");
+        assert!(replayed(&retry));
+        assert_eq!(upstream.calls.get("/echo"), 1);
+        let data = proxy._dir.path().to_owned();
+        let _ = proxy.stop.send(());
+        proxy.served.await.unwrap().unwrap();
+        assert_eq!(
+            common::files_hold(&data, marker.as_bytes()),
+            !sealed,
+            "sealed: {sealed}"
+        );
+    }
+}

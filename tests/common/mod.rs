@@ -792,3 +792,19 @@ pub fn grpc_request_head(addr: SocketAddr, method: &str) -> http::Request<()> {
         .body(())
         .unwrap()
 }
+
+/// Whether any file under `dir` holds `needle` (a store's raw bytes).
+pub fn files_hold(dir: &Path, needle: &[u8]) -> bool {
+    std::fs::read_dir(dir)
+        .expect("read dir")
+        .flatten()
+        .any(|entry| {
+            let path = entry.path();
+            if path.is_dir() {
+                files_hold(&path, needle)
+            } else {
+                std::fs::read(&path)
+                    .is_ok_and(|bytes| bytes.windows(needle.len()).any(|w| w == needle))
+            }
+        })
+}

@@ -21,6 +21,7 @@ use dedupd::{
         idempotency::{CallerScope, KeySyntax, ReleaseOn},
         server::{serve, AfterUnknownOutcome, ProxyConfig},
     },
+    sealing::Keyring,
     server::ConnectionLimits,
     store::{
         sled::{SledConfig, SledStore},
@@ -266,7 +267,29 @@ pub async fn proxy_on<S: Store>(
     dir: tempfile::TempDir,
     adjust: impl FnOnce(&mut ProxyConfig),
 ) -> Proxy {
-    let engine = Engine::new(Arc::new(store), Arc::new(SystemClock));
+    proxy_on_engine(
+        upstream,
+        Engine::new(Arc::new(store), Arc::new(SystemClock)),
+        dir,
+        adjust,
+    )
+    .await
+}
+
+/// A proxy on the sled store whose answers are sealed with `keyring`.
+pub async fn sealed_proxy(upstream: &Upstream, keyring: Option<Arc<Keyring>>) -> Proxy {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SledStore::open(&SledConfig::new(dir.path().join("data"))).unwrap();
+    let engine = Engine::new(Arc::new(store), Arc::new(SystemClock)).with_keyring(keyring);
+    proxy_on_engine(upstream, engine, dir, |_| {}).await
+}
+
+async fn proxy_on_engine<S: Store>(
+    upstream: &Upstream,
+    engine: Engine<S>,
+    dir: tempfile::TempDir,
+    adjust: impl FnOnce(&mut ProxyConfig),
+) -> Proxy {
     let metrics = Arc::clone(engine.metrics());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();

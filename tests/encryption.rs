@@ -1,0 +1,271 @@
+//! Sealed answers (issue 43): with `--encryption-key-file`, no answer
+//! reaches a store in plaintext — read back through each store's raw bytes
+//! (sled's files, the PostgreSQL rows, the Redis values, the shared stores'
+//! local tier) — while every duplicate still gets its answer; an answer
+//! altered in the store, or moved onto another record, is refused, never
+//! replayed and never claimed afresh.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{postgres, redis, *};
+use dedupd::{
+    domain::Key,
+    machine::Change,
+    proto::v1 as pb,
+    sealing::Keyring,
+    store::{Attempt, Store},
+};
+
+fn keyring() -> Arc<Keyring> {
+    Arc::new(Keyring::from_bytes(&[[0x5a; 32]]).expect("a key"))
+}
+
+/// A marker no store holds by chance.
+fn marker() -> String {
+    format!("MARKER-{}", uuid_like())
+}
+
+fn uuid_like() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+/// Commits `answer` for `id`, then checks a duplicate gets it back.
+async fn commit_and_replay(server: &TestServer, id: &str, answer: &[u8]) {
+    let mut client = server.client().await;
+    claim_and_commit(&mut client, id, answer.to_vec())
+        .await
+        .expect("claim and commit");
+    let again = claim(&mut client, claim_request(id)).await;
+    assert_eq!(outcome(&again), pb::ClaimOutcome::Duplicate);
+    assert_eq!(again.record.expect("a record").response, answer);
+}
+
+/// Every column of every row of `schema`'s tables, as PostgreSQL's text.
+async fn postgres_rows_hold(schema: &str, needle: &str) -> bool {
+    let (client, connection) = tokio_postgres::connect(postgres::url(), tokio_postgres::NoTls)
+        .await
+        .expect("connect");
+    let connection = tokio::spawn(connection);
+    let tables = client
+        .query(
+            "SELECT table_name::text FROM information_schema.tables WHERE table_schema = $1",
+            &[&schema],
+        )
+        .await
+        .expect("tables");
+    let mut found = false;
+    for table in tables {
+        let table: String = table.get(0);
+        // `bytea` as text is hex: look for both spellings.
+        let hex: String = needle.bytes().map(|b| format!("{b:02x}")).collect();
+        let rows = client
+            .query(&format!("SELECT t::text FROM {schema}.{table} t"), &[])
+            .await
+            .expect("rows");
+        for row in rows {
+            let text: String = row.get(0);
+            found |= text.contains(needle) || text.contains(&hex);
+        }
+    }
+    drop(client);
+    let _ = connection.await;
+    found
+}
+
+/// Every value under `prefix`, whatever its type.
+async fn redis_values_hold(prefix: &str, needle: &[u8]) -> bool {
+    let mut connection = redis::connection().await;
+    let mut found = false;
+    for key in redis::keys(prefix).await {
+        let kind: String = ::redis::cmd("TYPE")
+            .arg(&key)
+            .query_async(&mut connection)
+            .await
+            .expect("TYPE");
+        let command = match kind.as_str() {
+            "string" => ::redis::cmd("GET").arg(&key).clone(),
+            "hash" => ::redis::cmd("HGETALL").arg(&key).clone(),
+            "zset" => ::redis::cmd("ZRANGE")
+                .arg(&key)
+                .arg(0)
+                .arg(-1)
+                .arg("WITHSCORES")
+                .clone(),
+            "set" => ::redis::cmd("SMEMBERS").arg(&key).clone(),
+            "list" => ::redis::cmd("LRANGE").arg(&key).arg(0).arg(-1).clone(),
+            other => panic!("{key}: a {other} the test cannot read"),
+        };
+        let value: ::redis::Value = command.query_async(&mut connection).await.expect("read");
+        found |= value_holds(&value, needle);
+    }
+    found
+}
+
+fn value_holds(value: &::redis::Value, needle: &[u8]) -> bool {
+    match value {
+        ::redis::Value::BulkString(bytes) => bytes.windows(needle.len()).any(|w| w == needle),
+        ::redis::Value::Array(items) | ::redis::Value::Set(items) => {
+            items.iter().any(|item| value_holds(item, needle))
+        }
+        ::redis::Value::Map(pairs) => pairs
+            .iter()
+            .any(|(k, v)| value_holds(k, needle) || value_holds(v, needle)),
+        ::redis::Value::SimpleString(text) => {
+            text.as_bytes().windows(needle.len()).any(|w| w == needle)
+        }
+        _ => false,
+    }
+}
+
+/// The store's raw bytes hold the answer exactly when it is not sealed:
+/// the check that finds nothing with a key finds the marker without one.
+async fn raw_bytes_show_the_answer(space: Option<Space>, sealed: bool) {
+    let server = TestServer::builder()
+        .config(|config| config.keyring = sealed.then(keyring))
+        .in_space(space.clone())
+        .start()
+        .await;
+    let answer = marker();
+    commit_and_replay(
+        &server,
+        &format!("order-{}", uuid_like()),
+        answer.as_bytes(),
+    )
+    .await;
+    // The shared store's rows and values, before stopping removes them.
+    let mut found = match &space {
+        Some(Space::Postgres(schema)) => postgres_rows_hold(schema, &answer).await,
+        Some(Space::Redis(prefix)) => redis_values_hold(prefix, answer.as_bytes()).await,
+        None => false,
+    };
+    // Then every file: sled's, or the shared store's local tier.
+    let dir = Arc::clone(&server.dir);
+    server.stop().await.expect("clean stop");
+    found |= files_hold(dir.path(), answer.as_bytes());
+    assert_eq!(
+        found,
+        !sealed,
+        "sealed: {sealed}; the answer was {} in the store's raw bytes",
+        if found { "found" } else { "not found" }
+    );
+}
+
+#[tokio::test]
+async fn sled_files_hold_no_sealed_answer() {
+    raw_bytes_show_the_answer(None, false).await;
+    raw_bytes_show_the_answer(None, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_rows_hold_no_sealed_answer() {
+    if !postgres::available() {
+        return;
+    }
+    raw_bytes_show_the_answer(Some(Space::postgres()), false).await;
+    raw_bytes_show_the_answer(Some(Space::postgres()), true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_values_hold_no_sealed_answer() {
+    if !redis::available() {
+        return;
+    }
+    raw_bytes_show_the_answer(Some(Space::redis()), false).await;
+    raw_bytes_show_the_answer(Some(Space::redis()), true).await;
+}
+
+/// Rewrites `id`'s stored answer with `change`, straight in the store.
+async fn tamper<S: Store>(store: &S, id: &str, change: impl FnOnce(&mut Vec<u8>)) {
+    let key = Key::from_bytes(format!("default\0{id}").as_bytes()).expect("a key");
+    let mut record = store
+        .get(&key)
+        .await
+        .expect("get")
+        .expect("a stored record");
+    change(&mut record.response);
+    store
+        .update(&key, |_, _: Attempt<'_>| {
+            Ok((Change::Put(record.clone()), ()))
+        })
+        .await
+        .expect("rewrite");
+    store.durable().await.expect("durable");
+}
+
+async fn stored_answer<S: Store>(store: &S, id: &str) -> Vec<u8> {
+    let key = Key::from_bytes(format!("default\0{id}").as_bytes()).expect("a key");
+    store
+        .get(&key)
+        .await
+        .expect("get")
+        .expect("a record")
+        .response
+}
+
+/// A flipped byte anywhere in a stored answer, or an answer copied from
+/// another record, is refused — INTERNAL (logged once), never the altered
+/// answer, never a fresh claim — and the record stays committed.
+#[tokio::test]
+async fn an_altered_or_moved_answer_is_refused() {
+    let server = TestServer::builder()
+        .config(|config| config.keyring = Some(keyring()))
+        .start()
+        .await;
+    let mut client = server.client().await;
+    commit_and_replay(&server, "flipped", b"refund 100 EUR").await;
+    commit_and_replay(&server, "moved-from", b"token for alice").await;
+    commit_and_replay(&server, "moved-to", b"token for bob").await;
+    let sealed = stored_answer(server.store.as_ref(), "flipped").await;
+
+    for index in [0, 2, 12, sealed.len() / 2, sealed.len() - 1] {
+        tamper(server.store.as_ref(), "flipped", |answer| {
+            *answer = sealed.clone();
+            answer[index] ^= 0x20;
+        })
+        .await;
+        let status = client
+            .claim(claim_request("flipped"))
+            .await
+            .expect_err("an altered answer is refused");
+        assert_eq!(
+            status.code(),
+            tonic::Code::Internal,
+            "byte {index}: {status:?}"
+        );
+        assert!(!status.message().contains("refund"), "{status:?}");
+        let looked = client
+            .lookup(pb::LookupRequest {
+                correlation_id: "flipped".into(),
+                ..Default::default()
+            })
+            .await
+            .expect_err("lookup refuses it too");
+        assert_eq!(looked.code(), tonic::Code::Internal);
+    }
+
+    let alice = stored_answer(server.store.as_ref(), "moved-from").await;
+    tamper(server.store.as_ref(), "moved-to", |answer| {
+        *answer = alice.clone()
+    })
+    .await;
+    let status = client
+        .claim(claim_request("moved-to"))
+        .await
+        .expect_err("an answer moved from another record is refused");
+    assert_eq!(status.code(), tonic::Code::Internal);
+    // Alice's own record still answers.
+    let alice_again = claim(&mut client, claim_request("moved-from")).await;
+    assert_eq!(alice_again.record.unwrap().response, b"token for alice");
+
+    // Put back, the answer is replayed: the record never left COMMITTED.
+    tamper(server.store.as_ref(), "flipped", |answer| {
+        *answer = sealed.clone()
+    })
+    .await;
+    let restored = claim(&mut client, claim_request("flipped")).await;
+    assert_eq!(outcome(&restored), pb::ClaimOutcome::Duplicate);
+    assert_eq!(restored.record.unwrap().response, b"refund 100 EUR");
+    server.stop().await.expect("clean stop");
+}
