@@ -20,6 +20,7 @@ use dedupd::{
     engine::Engine,
     machine,
     proto::v1 as pb,
+    sealing::Keyring,
     store::{
         memory::MemoryStore,
         sled::{SledConfig, SledStore, SyncMode},
@@ -163,11 +164,81 @@ fn stores(c: &mut Criterion) {
     }
 }
 
+/// What sealing answers costs (issue 43): Claim+Commit of a fresh key and
+/// the replay of a committed one (a duplicate Claim: what the proxy's
+/// replay does in the store), with 1 KiB and 64 KiB answers, plaintext
+/// and sealed side by side, on sled with `--sync none` so the cipher is not
+/// hidden behind the disk.
+fn sealing(c: &mut Criterion) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let limits = Limits::default();
+    let counter = AtomicU64::new(0);
+    for size in [1 << 10, 64 << 10] {
+        let answer: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+        for sealed in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let store = SledStore::open(&SledConfig {
+                sync: SyncMode::None,
+                ..SledConfig::new(dir.path())
+            })
+            .unwrap();
+            let keyring = sealed.then(|| Arc::new(Keyring::from_bytes(&[[7; 32]]).unwrap()));
+            let engine = Engine::new(Arc::new(store), Arc::new(SystemClock)).with_keyring(keyring);
+            let name = format!(
+                "sealing/{} KiB {}",
+                size >> 10,
+                if sealed { "sealed" } else { "plaintext" }
+            );
+            let claim_and_commit = |id: String| {
+                let request = claim_request(&limits, &id);
+                let answer = answer.clone();
+                let engine = &engine;
+                async move {
+                    let dedupd::domain::ClaimOutcome::Claimed { record, .. } =
+                        engine.claim(&request).await.unwrap()
+                    else {
+                        panic!("fresh key not claimed");
+                    };
+                    engine
+                        .commit(&CommitRequest {
+                            key: request.key,
+                            lease_token: record.lease_token,
+                            response: answer,
+                            retention: None,
+                        })
+                        .await
+                        .unwrap()
+                }
+            };
+            c.bench_function(&format!("{name}/claim+commit"), |b| {
+                b.iter(|| {
+                    let id = format!("evt-{}", counter.fetch_add(1, Ordering::Relaxed));
+                    runtime.block_on(claim_and_commit(id))
+                })
+            });
+            let replayed = claim_request(&limits, "replayed");
+            runtime.block_on(claim_and_commit("replayed".into()));
+            c.bench_function(&format!("{name}/replay"), |b| {
+                b.iter(|| {
+                    let outcome = runtime.block_on(engine.claim(&replayed)).unwrap();
+                    let dedupd::domain::ClaimOutcome::Duplicate { record } = outcome else {
+                        panic!("not a duplicate");
+                    };
+                    assert_eq!(record.response.len(), size);
+                })
+            });
+        }
+    }
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .measurement_time(Duration::from_secs(3))
         .warm_up_time(Duration::from_secs(1));
-    targets = state_machine, stores
+    targets = state_machine, stores, sealing
 }
 criterion_main!(benches);

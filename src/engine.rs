@@ -17,7 +17,7 @@ use crate::{
     error::Error,
     machine,
     metrics::Metrics,
-    sealing::{Binding, Keyring},
+    sealing::{self, Binding, Keyring},
     store::{Attempt, Store},
     telemetry,
 };
@@ -363,15 +363,23 @@ impl<S: Store> Engine<S> {
     }
 
     /// `record` with its answer opened, when answers are sealed and it holds
-    /// one: an answer that does not open is an error of the call (logged
-    /// where it is answered), never replayed and never claimed afresh.
+    /// one: an answer that does not open — or a sealed one where no keys
+    /// are given — is an error of the call (logged where it is answered),
+    /// never replayed and never claimed afresh.
     fn opened(&self, key: &Key, record: Record) -> Result<Record, Error> {
-        let Some(keyring) = &self.keyring else {
-            return Ok(record);
-        };
         if record.state != RecordState::Committed {
             return Ok(record);
         }
+        let Some(keyring) = &self.keyring else {
+            // Keys removed from a store that holds sealed answers: never
+            // replay a ciphertext as if it were the answer.
+            return match sealing::looks_sealed(&record.response) {
+                false => Ok(record),
+                true => Err(Error::Corrupt(format!(
+                    "the stored answer of {key} is sealed, and no --encryption-key-file is given"
+                ))),
+            };
+        };
         let binding = Binding {
             key,
             lease_token: record.lease_token,

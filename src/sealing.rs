@@ -16,7 +16,7 @@
 //!   whose file name sorts last seals, all of them open.
 //!
 //! What is not sealed: correlation IDs (the lookup key), record metadata,
-//! timing and sizes (a ciphertext is its answer's length plus 34 bytes).
+//! timing and sizes (a ciphertext is its answer's length plus 52 bytes).
 
 use std::{fmt, path::PathBuf};
 
@@ -31,8 +31,11 @@ use crate::domain::{Key, LeaseToken};
 
 /// Bytes of a key.
 pub const KEY_BYTES: usize = 32;
-/// The first byte of every sealed answer, then its format's version.
-const MAGIC: [u8; 2] = [0xD5, 0x01];
+/// The first bytes of every sealed answer, the last its format's version.
+/// No text starts so (0xFF is never in UTF-8), and binary answers only by a
+/// 1-in-2³² chance: an engine without keys refuses an answer that starts so
+/// rather than replay a ciphertext as if it were the answer.
+const MAGIC: [u8; 4] = [0xD5, 0xED, 0xFF, 0x01];
 const ID_BYTES: usize = 8;
 const NONCE_BYTES: usize = 24;
 const TAG_BYTES: usize = 16;
@@ -234,13 +237,18 @@ impl Keyring {
 
     /// The ID of the key `sealed` was sealed with.
     pub fn key_id(sealed: &[u8]) -> Result<KeyId, Unsealable> {
-        if sealed.len() < HEADER_BYTES + TAG_BYTES || sealed[..MAGIC.len()] != MAGIC {
+        if !looks_sealed(sealed) {
             return Err(Unsealable::NotSealed);
         }
         let mut id = [0; ID_BYTES];
         id.copy_from_slice(&sealed[MAGIC.len()..MAGIC.len() + ID_BYTES]);
         Ok(KeyId(id))
     }
+}
+
+/// Whether `answer` is in the sealed format (not whether it opens).
+pub fn looks_sealed(answer: &[u8]) -> bool {
+    answer.len() >= OVERHEAD_BYTES && answer[..MAGIC.len()] == MAGIC
 }
 
 impl SealingKey {
@@ -356,6 +364,8 @@ mod tests {
             assert!(keys.open(&here, &flipped).is_err(), "byte {index} flipped");
         }
         assert_eq!(keys.open(&here, b"card 4242"), Err(Unsealable::NotSealed));
+        assert!(looks_sealed(&sealed));
+        assert!(!looks_sealed(b"card 4242"));
     }
 
     #[test]
@@ -398,5 +408,24 @@ mod tests {
         assert!(Keyring::from_bytes(&[[3; KEY_BYTES], [3; KEY_BYTES]])
             .unwrap_err()
             .contains("the same key"));
+    }
+
+    /// A Kubernetes Secret mount: each key a symlink into `..data`; the
+    /// hidden entries are skipped and the name sorting last seals.
+    #[test]
+    fn a_secret_mount_is_a_keyring() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("..2026_12_07_19_00_00.1");
+        std::fs::create_dir(&data).unwrap();
+        std::fs::write(data.join("2026-12.key"), format!("{}\n", "11".repeat(32))).unwrap();
+        std::fs::write(data.join("2027-03.key"), "22".repeat(32)).unwrap();
+        std::os::unix::fs::symlink(&data, dir.path().join("..data")).unwrap();
+        for name in ["2026-12.key", "2027-03.key"] {
+            std::os::unix::fs::symlink(format!("..data/{name}"), dir.path().join(name)).unwrap();
+        }
+        let keys = Keyring::load(&[dir.path().to_owned()]).unwrap();
+        assert_eq!(keys.ids().len(), 2);
+        assert_eq!(keys.sealing_id(), KeyId::of(&[0x22; KEY_BYTES]));
+        assert_eq!(keys.ids()[0], KeyId::of(&[0x11; KEY_BYTES]));
     }
 }

@@ -32,7 +32,7 @@ fn uuid_like() -> String {
 }
 
 /// Commits `answer` for `id`, then checks a duplicate gets it back.
-async fn commit_and_replay(server: &TestServer, id: &str, answer: &[u8]) {
+async fn commit_and_replay<S: Store + TestSpace>(server: &TestServer<S>, id: &str, answer: &[u8]) {
     let mut client = server.client().await;
     claim_and_commit(&mut client, id, answer.to_vec())
         .await
@@ -122,11 +122,30 @@ fn value_holds(value: &::redis::Value, needle: &[u8]) -> bool {
 /// The store's raw bytes hold the answer exactly when it is not sealed:
 /// the check that finds nothing with a key finds the marker without one.
 async fn raw_bytes_show_the_answer(space: Option<Space>, sealed: bool) {
-    let server = TestServer::builder()
-        .config(|config| config.keyring = sealed.then(keyring))
-        .in_space(space.clone())
-        .start()
-        .await;
+    let builder = TestServer::builder().config(|config| config.keyring = sealed.then(keyring));
+    match space {
+        // sled itself, whichever store the suite runs on.
+        None => {
+            let dir = Arc::new(tempfile::tempdir().expect("temp dir"));
+            let store = Arc::new(open_store(&dir.path().join("data")));
+            let server = builder
+                .in_dir(dir, dedupd::clock::ManualClock::new(START))
+                .start_with_store(store)
+                .await;
+            look_for_the_answer(server, None, sealed).await;
+        }
+        Some(space) => {
+            let server = builder.in_space(Some(space.clone())).start().await;
+            look_for_the_answer(server, Some(space), sealed).await;
+        }
+    }
+}
+
+async fn look_for_the_answer<S: Store + TestSpace>(
+    server: TestServer<S>,
+    space: Option<Space>,
+    sealed: bool,
+) {
     let answer = marker();
     commit_and_replay(
         &server,
@@ -267,5 +286,66 @@ async fn an_altered_or_moved_answer_is_refused() {
     let restored = claim(&mut client, claim_request("flipped")).await;
     assert_eq!(outcome(&restored), pb::ClaimOutcome::Duplicate);
     assert_eq!(restored.record.unwrap().response, b"refund 100 EUR");
+    server.stop().await.expect("clean stop");
+}
+
+/// Sealed answers survive a restart with the keys; without them (or with
+/// another key) each is refused, never replayed as its ciphertext; an
+/// added key seals new answers while the old one still opens the old.
+#[tokio::test]
+async fn without_its_key_a_sealed_answer_is_refused_not_replayed() {
+    let old_key = [0x11; 32];
+    let new_key = [0x22; 32];
+    let with_keys = |keys: &'static [[u8; 32]]| {
+        move |config: &mut dedupd::server::ServerConfig| {
+            config.keyring =
+                (!keys.is_empty()).then(|| Arc::new(Keyring::from_bytes(keys).unwrap()));
+        }
+    };
+    let mut server = TestServer::builder()
+        .config(with_keys(&[[0x11; 32]]))
+        .start()
+        .await;
+    commit_and_replay(&server, "paid", b"receipt 17").await;
+    let (dir, clock) = (Arc::clone(&server.dir), server.clock.clone());
+    let space = server.store.test_space();
+    let restart = |keys: &'static [[u8; 32]]| {
+        TestServer::builder()
+            .in_dir(Arc::clone(&dir), clock.clone())
+            .in_space(space.clone())
+            .config(with_keys(keys))
+    };
+    server.stop_in_place().await.expect("clean stop");
+    drop(server);
+
+    for keys in [&[][..], &[[0x22; 32]][..]] {
+        let mut server = restart(keys).start().await;
+        let mut client = server.client().await;
+        let status = client
+            .claim(claim_request("paid"))
+            .await
+            .expect_err("refused without its key");
+        assert_eq!(
+            status.code(),
+            tonic::Code::Internal,
+            "{} keys: {status:?}",
+            keys.len()
+        );
+        server.stop_in_place().await.expect("clean stop");
+    }
+
+    // Rotated: the new key seals, the old one still opens.
+    let server = restart(&[[0x11; 32], [0x22; 32]]).start().await;
+    let mut client = server.client().await;
+    let replay = claim(&mut client, claim_request("paid")).await;
+    assert_eq!(replay.record.unwrap().response, b"receipt 17");
+    commit_and_replay(&server, "paid-later", b"receipt 18").await;
+    let sealed = stored_answer(server.store.as_ref(), "paid-later").await;
+    let rotated = Keyring::from_bytes(&[new_key]).unwrap();
+    assert_eq!(Keyring::key_id(&sealed).unwrap(), rotated.sealing_id());
+    assert_ne!(
+        rotated.sealing_id(),
+        Keyring::from_bytes(&[old_key]).unwrap().sealing_id()
+    );
     server.stop().await.expect("clean stop");
 }

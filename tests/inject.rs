@@ -265,6 +265,10 @@ fn every_annotation_reaches_the_sidecar() {
     for (variable, value) in [
         ("DEDUPD_STORE", "postgres"),
         ("DEDUPD_STORE_URL_FILE", "/var/run/secrets/dedupd/store-url"),
+        (
+            "DEDUPD_ENCRYPTION_KEY_FILE",
+            "/var/run/secrets/dedupd-encryption",
+        ),
         ("DEDUPD_NAMESPACE_RETENTION", "payments=30days,http=24h"),
         ("DEDUPD_DEFAULT_LEASE_TTL", "2m"),
         ("DEDUPD_SYNC", "always"),
@@ -316,6 +320,14 @@ fn every_annotation_reaches_the_sidecar() {
         .unwrap()
         .iter()
         .any(|m| m["name"] == "dedupd-store-url" && m["readOnly"] == true));
+    let keys = volume(&pod, "dedupd-encryption-keys");
+    assert_eq!(keys["secret"]["secretName"], "dedupd-answer-keys");
+    assert!(keys["secret"]["items"].is_null(), "every key of the Secret");
+    assert!(sidecar["volumeMounts"].as_array().unwrap().iter().any(|m| {
+        m["name"] == "dedupd-encryption-keys"
+            && m["mountPath"] == "/var/run/secrets/dedupd-encryption"
+            && m["readOnly"] == true
+    }));
 }
 
 /// Each bad value is refused with a message naming the annotation and
@@ -338,6 +350,10 @@ fn an_invalid_annotation_denies_the_pod_and_says_why() {
                 ("dedupd.io/store-url-secret", "Not_A_Secret/url"),
             ],
             "not a Secret name",
+        ),
+        (
+            &[("dedupd.io/encryption-key-secret", "Keys/With/Slashes")],
+            "dedupd.io/encryption-key-secret",
         ),
         (&[("dedupd.io/sync", "sometimes")], "always"),
         (

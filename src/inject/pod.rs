@@ -37,12 +37,17 @@ pub const SOCKET_DIR: &str = "/var/run/dedupd";
 pub const DATA_DIR: &str = "/var/lib/dedupd";
 /// Where a store URL Secret is mounted.
 pub const SECRET_DIR: &str = "/var/run/secrets/dedupd";
+/// Where the Secret of answer-sealing keys is mounted: each of its keys a
+/// key file (`--encryption-key-file` reads the directory).
+pub const ENCRYPTION_KEY_DIR: &str = "/var/run/secrets/dedupd-encryption";
 /// Volumes the injector adds.
 pub const SOCKET_VOLUME: &str = "dedupd-socket";
 /// The data volume (an `emptyDir`, or the PVC an annotation names).
 pub const DATA_VOLUME: &str = "dedupd-data";
 /// The store URL Secret's volume.
 pub const SECRET_VOLUME: &str = "dedupd-store-url";
+/// The answer-sealing keys' volume.
+pub const ENCRYPTION_KEY_VOLUME: &str = "dedupd-encryption-keys";
 /// Seconds added to the sidecar's shutdown grace for the pod's
 /// `terminationGracePeriodSeconds`: the app stops first, then dedupd drains.
 pub const GRACE_MARGIN_SECONDS: i64 = 10;
@@ -51,6 +56,7 @@ const PREFIX: &str = "dedupd.io/";
 const ANNOTATION_STORE: &str = "dedupd.io/store";
 const ANNOTATION_STORE_URL_SECRET: &str = "dedupd.io/store-url-secret";
 const ANNOTATION_DATA_PVC: &str = "dedupd.io/data-pvc";
+const ANNOTATION_ENCRYPTION_KEY_SECRET: &str = "dedupd.io/encryption-key-secret";
 const ANNOTATION_NATIVE: &str = "dedupd.io/native-sidecar";
 const ANNOTATION_CPU: &str = "dedupd.io/cpu";
 const ANNOTATION_MEMORY: &str = "dedupd.io/memory";
@@ -69,10 +75,11 @@ const FLAG_ANNOTATIONS: [(&str, &str); 4] = [
 
 /// Every annotation the injector reads; any other `dedupd.io/` one is a
 /// typo and denies the pod rather than being silently ignored.
-pub const ANNOTATIONS: [&str; 13] = [
+pub const ANNOTATIONS: [&str; 14] = [
     LABEL,
     ANNOTATION_STORE,
     ANNOTATION_STORE_URL_SECRET,
+    ANNOTATION_ENCRYPTION_KEY_SECRET,
     "dedupd.io/namespace-retention",
     "dedupd.io/default-lease-ttl",
     "dedupd.io/sync",
@@ -161,6 +168,8 @@ struct PodSettings {
     memory_limit: String,
     data_pvc: Option<String>,
     store_url_secret: Option<(String, String)>,
+    /// The Secret whose every key seals answers.
+    encryption_key_secret: Option<String>,
     /// `(flag, value)` pairs, passed to the sidecar as `DEDUPD_*` variables.
     flags: Vec<(&'static str, String)>,
     /// Traces are exported (an OTLP endpoint is annotated): the sidecar
@@ -211,6 +220,18 @@ impl PodSettings {
         if store_url_secret.is_some() {
             flags.push(("store-url-file", format!("{SECRET_DIR}/store-url")));
         }
+        let encryption_key_secret = match get(ANNOTATION_ENCRYPTION_KEY_SECRET) {
+            None => None,
+            Some(name) if is_dns_subdomain(&name) => {
+                flags.push(("encryption-key-file", ENCRYPTION_KEY_DIR.to_owned()));
+                Some(name)
+            }
+            Some(name) => {
+                return Err(format!(
+                    "annotation {ANNOTATION_ENCRYPTION_KEY_SECRET}: {name:?} is not a Secret name (lower-case letters, digits, '-' and '.')"
+                ))
+            }
+        };
         // Each flag passed alone above; together they must pass too.
         check_flags(&flags).map_err(|problem| format!("dedupd annotations: {problem}"))?;
         let traces =
@@ -266,6 +287,7 @@ impl PodSettings {
             memory_limit: memory.unwrap_or_else(|| defaults.memory_limit.clone()),
             data_pvc,
             store_url_secret,
+            encryption_key_secret,
             flags,
             traces: traces_on,
         })
@@ -474,6 +496,13 @@ impl PodSettings {
         if self.store_url_secret.is_some() {
             mounts.push(json!({"name": SECRET_VOLUME, "mountPath": SECRET_DIR, "readOnly": true}));
         }
+        if self.encryption_key_secret.is_some() {
+            mounts.push(json!({
+                "name": ENCRYPTION_KEY_VOLUME,
+                "mountPath": ENCRYPTION_KEY_DIR,
+                "readOnly": true,
+            }));
+        }
         let mut container = json!({
             "name": SIDECAR,
             "image": self.image,
@@ -526,6 +555,13 @@ impl PodSettings {
                     // sidecar mounts this volume.
                     "defaultMode": 0o444,
                 },
+            }));
+        }
+        if let Some(secret) = &self.encryption_key_secret {
+            volumes.push(json!({
+                "name": ENCRYPTION_KEY_VOLUME,
+                // Every key of the Secret, each a key file.
+                "secret": {"secretName": secret, "defaultMode": 0o444},
             }));
         }
         volumes

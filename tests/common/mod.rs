@@ -472,7 +472,7 @@ impl<S: Store + TestSpace> TestServer<S> {
         stopped
     }
 
-    async fn stop_in_place(&mut self) -> Result<(), Error> {
+    pub async fn stop_in_place(&mut self) -> Result<(), Error> {
         if let Some(shutdown) = self.shutdown.take() {
             let _ = shutdown.send(());
         }
