@@ -14,7 +14,7 @@ use crate::{
         OrderingScope, OutcomeKind, Record, RecordState, ReleaseOutcome, ReleaseRequest,
         RenewRequest,
     },
-    error::Error,
+    error::{Error, FieldViolation},
     machine,
     metrics::Metrics,
     sealing::{self, Binding, Keyring},
@@ -312,6 +312,14 @@ impl<S: Store> Engine<S> {
         &self,
         request: &CommitRequest,
     ) -> Result<Result<CommitOutcome, LeaseLost>, Error> {
+        if self.keyring.is_none() && sealing::looks_sealed(&request.response) {
+            // It would be refused when read back (see `opened`): say so now.
+            return Err(Error::InvalidArgument(vec![FieldViolation::new(
+                "response",
+                "starts with the bytes of a sealed answer (D5 ED FF 01), which a sidecar without \
+                 --encryption-key-file cannot tell from one: prefix it with another byte",
+            )]));
+        }
         let mut at = self.decision_time()?;
         let sealed = self.keyring.as_ref().map(|keyring| CommitRequest {
             response: keyring.seal(
@@ -380,6 +388,12 @@ impl<S: Store> Engine<S> {
                 ))),
             };
         };
+        if record.response.is_empty() {
+            // Committed before sealing was on, with no answer: nothing was
+            // kept that sealing would protect (a sealed answer is never
+            // empty), so the many consumers that store none switch freely.
+            return Ok(record);
+        }
         let binding = Binding {
             key,
             lease_token: record.lease_token,

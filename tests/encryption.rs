@@ -349,3 +349,103 @@ async fn without_its_key_a_sealed_answer_is_refused_not_replayed() {
     );
     server.stop().await.expect("clean stop");
 }
+
+/// Every way an answer leaves the sidecar opens it: a Commit retried
+/// (ALREADY_COMMITTED gets the first answer, not the retry's), Lookup, a
+/// ClaimBatch duplicate and a fingerprint mismatch; an answer committed
+/// empty before sealing was on still reads as empty; and a sidecar without
+/// keys refuses to store an answer it could not tell from a sealed one.
+#[tokio::test]
+async fn every_face_opens_a_sealed_answer() {
+    let server = TestServer::builder()
+        .config(|config| config.keyring = Some(keyring()))
+        .start()
+        .await;
+    let mut client = server.client().await;
+    let first = claim(
+        &mut client,
+        pb::ClaimRequest {
+            payload_fingerprint: "sha256:aa".into(),
+            ..claim_request("order-7")
+        },
+    )
+    .await;
+    let commit = |response: &[u8]| pb::CommitRequest {
+        response: response.to_vec(),
+        ..commit_request("order-7", &first.lease_token)
+    };
+    client.commit(commit(b"shipped 7")).await.expect("commit");
+    let retried = client
+        .commit(commit(b"another answer"))
+        .await
+        .expect("retry")
+        .into_inner();
+    assert_eq!(retried.outcome, pb::CommitOutcome::AlreadyCommitted as i32);
+    assert_eq!(retried.record.unwrap().response, b"shipped 7");
+
+    let looked = client
+        .lookup(pb::LookupRequest {
+            correlation_id: "order-7".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("lookup")
+        .into_inner();
+    assert_eq!(looked.record.unwrap().response, b"shipped 7");
+
+    let batch = client
+        .claim_batch(pb::ClaimBatchRequest {
+            items: vec![claim_request("order-8"), claim_request("order-7")],
+        })
+        .await
+        .expect("batch")
+        .into_inner()
+        .results;
+    assert_eq!(outcome(&batch[0]), pb::ClaimOutcome::Claimed);
+    assert_eq!(outcome(&batch[1]), pb::ClaimOutcome::Duplicate);
+    assert_eq!(batch[1].record.as_ref().unwrap().response, b"shipped 7");
+
+    let mismatch = claim(
+        &mut client,
+        pb::ClaimRequest {
+            payload_fingerprint: "sha256:bb".into(),
+            ..claim_request("order-7")
+        },
+    )
+    .await;
+    assert_eq!(outcome(&mismatch), pb::ClaimOutcome::FingerprintMismatch);
+    assert_eq!(mismatch.record.unwrap().response, b"shipped 7");
+
+    // Committed with no answer while sealing was off: still a duplicate.
+    let plain = TestServer::builder().start().await;
+    let mut plain_client = plain.client().await;
+    claim_and_commit(&mut plain_client, "no-answer", Vec::new())
+        .await
+        .expect("commit");
+    let sealed_looking = [&[0xD5, 0xED, 0xFF, 0x01][..], &[0u8; 60][..]].concat();
+    assert_eq!(
+        claim_and_commit(&mut plain_client, "looks-sealed", sealed_looking).await,
+        Err(tonic::Code::InvalidArgument),
+        "a sidecar without keys stores no answer it would later take for a sealed one"
+    );
+    let (dir, clock, space) = (
+        Arc::clone(&plain.dir),
+        plain.clock.clone(),
+        plain.store.test_space(),
+    );
+    let mut plain = plain;
+    plain.stop_in_place().await.expect("clean stop");
+    drop(plain);
+    let resealed = TestServer::builder()
+        .in_dir(dir, clock)
+        .in_space(space)
+        .config(|config| config.keyring = Some(keyring()))
+        .start()
+        .await;
+    let mut client = resealed.client().await;
+    let again = claim(&mut client, claim_request("no-answer")).await;
+    assert_eq!(outcome(&again), pb::ClaimOutcome::Duplicate);
+    assert!(again.record.unwrap().response.is_empty());
+    resealed.stop().await.expect("clean stop");
+    server.stop().await.expect("clean stop");
+}

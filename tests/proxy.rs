@@ -1463,7 +1463,7 @@ async fn a_sealed_answer_is_replayed_and_never_stored_in_plaintext() {
         let upstream = upstream().await;
         let keyring =
             sealed.then(|| Arc::new(dedupd::sealing::Keyring::from_bytes(&[[9; 32]]).unwrap()));
-        let proxy = sealed_proxy(&upstream, keyring).await;
+        let proxy = sealed_proxy(&upstream, tempfile::tempdir().unwrap(), keyring).await;
         let marker = format!("card-ending-{:016x}", rand::random::<u64>());
         let body = format!("{{\"secret\":\"{marker}\"}}");
         let first = post(proxy.address, "/echo", "\"pay-1\"", &body).await;
@@ -1481,4 +1481,32 @@ async fn a_sealed_answer_is_replayed_and_never_stored_in_plaintext() {
             "sealed: {sealed}"
         );
     }
+}
+
+/// A committed key whose stored answer no longer opens (here: the proxy
+/// restarted with another key) is answered "outcome unknown" — never
+/// forwarded again, never "store unavailable" to be retried for a day.
+#[tokio::test]
+async fn an_answer_that_no_longer_opens_is_outcome_unknown_never_forwarded() {
+    let upstream = upstream().await;
+    let key = |byte| {
+        Some(Arc::new(
+            dedupd::sealing::Keyring::from_bytes(&[[byte; 32]]).unwrap(),
+        ))
+    };
+    let proxy = sealed_proxy(&upstream, tempfile::tempdir().unwrap(), key(1)).await;
+    let first = post(proxy.address, "/echo", "\"pay-2\"", "{\"n\":1}").await;
+    assert_eq!(first.status, StatusCode::OK);
+    let _ = proxy.stop.send(());
+    proxy.served.await.unwrap().unwrap();
+    let proxy = sealed_proxy(&upstream, proxy._dir, key(2)).await;
+    let retry = post(proxy.address, "/echo", "\"pay-2\"", "{\"n\":1}").await;
+    assert_eq!(retry.status, StatusCode::BAD_GATEWAY, "{}", retry.body);
+    assert!(retry.body.contains("outcome-unknown"), "{}", retry.body);
+    assert!(
+        !retry.body.contains("\"n\""),
+        "never the stored bytes: {}",
+        retry.body
+    );
+    assert_eq!(upstream.calls.get("/echo"), 1, "never forwarded again");
 }

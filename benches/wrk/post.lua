@@ -5,6 +5,9 @@
 local mode = os.getenv("KEY_MODE") or "none"
 local run = os.getenv("KEY_RUN") or tostring(os.time())
 local body = '{"sku":"A1","qty":2,"note":"benchmark order"}'
+-- KEY_PATH: another path (benches/sealing.sh asks /orders?bytes=N for an
+-- N-byte answer).
+local path = os.getenv("KEY_PATH") or "/orders"
 local counter = 0
 local threads = 0
 
@@ -22,7 +25,7 @@ function request()
   elseif mode == "fixed" then
     headers["Idempotency-Key"] = string.format('"%s-fixed"', run)
   end
-  return wrk.format("POST", "/orders", headers, body)
+  return wrk.format("POST", path, headers, body)
 end
 
 -- Answers other than 2xx/3xx (a 409, a 5xx) are counted by wrk itself:

@@ -200,9 +200,21 @@ impl<S: Store> Proxy<S> {
         // ours to run) or the wait is over.
         let waiting_until = Instant::now() + self.config.wait_in_flight;
         let outcome = loop {
-            let Some(outcome) = self.claim(&claim).await else {
-                self.release_orphan(claim);
-                return Answer::rejected(Rejection::StoreUnavailable, protocol);
+            let outcome = match self.claim(&claim).await {
+                Ok(outcome) => outcome,
+                Err(ClaimFailure::Unavailable) => {
+                    self.release_orphan(claim);
+                    return Answer::rejected(Rejection::StoreUnavailable, protocol);
+                }
+                // The key is committed but its stored answer does not open
+                // (altered, or sealed with a key no longer given): the
+                // request was sent once, so it is never forwarded again.
+                Err(ClaimFailure::Unreadable) => {
+                    return Answer::rejected(
+                        Rejection::OutcomeUnknown("its stored answer cannot be read back".into()),
+                        protocol,
+                    );
+                }
             };
             let left = waiting_until.saturating_duration_since(Instant::now());
             match outcome {
@@ -251,7 +263,7 @@ impl<S: Store> Proxy<S> {
     /// Claims, retrying (with the claim's own request ID) while the store
     /// does not answer, for up to [`CLAIM_RETRIES_FOR`]; `None`: it never
     /// did, and nothing was forwarded.
-    pub(super) async fn claim(&self, claim: &ClaimRequest) -> Option<ClaimOutcome> {
+    pub(super) async fn claim(&self, claim: &ClaimRequest) -> Result<ClaimOutcome, ClaimFailure> {
         let give_up = Instant::now() + CLAIM_RETRIES_FOR.min(self.config.lease_ttl);
         let mut pause = Duration::from_millis(50);
         loop {
@@ -261,15 +273,19 @@ impl<S: Store> Proxy<S> {
                 .instrument(telemetry::step_span("dedup claim"))
                 .await;
             match claimed {
-                Ok(outcome) => return Some(outcome),
+                Ok(outcome) => return Ok(outcome),
                 Err(error) if error.may_pass() && Instant::now() + pause < give_up => {
                     tracing::debug!(%error, "claim failed; retrying");
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_millis(500));
                 }
+                Err(Error::Corrupt(problem)) => {
+                    tracing::error!(%problem, "a committed key's answer cannot be read; answered outcome unknown");
+                    return Err(ClaimFailure::Unreadable);
+                }
                 Err(error) => {
                     tracing::warn!(%error, "the store did not answer; the request was not forwarded");
-                    return None;
+                    return Err(ClaimFailure::Unavailable);
                 }
             }
         }
@@ -678,4 +694,12 @@ impl<S: Store> Proxy<S> {
             }
         }
     }
+}
+/// Why the proxy's claim has no outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ClaimFailure {
+    /// The store did not answer (and may have applied the claim).
+    Unavailable,
+    /// The key is committed and its stored answer does not open.
+    Unreadable,
 }

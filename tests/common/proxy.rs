@@ -276,9 +276,13 @@ pub async fn proxy_on<S: Store>(
     .await
 }
 
-/// A proxy on the sled store whose answers are sealed with `keyring`.
-pub async fn sealed_proxy(upstream: &Upstream, keyring: Option<Arc<Keyring>>) -> Proxy {
-    let dir = tempfile::tempdir().unwrap();
+/// A proxy on the sled store in `dir` whose answers are sealed with
+/// `keyring`.
+pub async fn sealed_proxy(
+    upstream: &Upstream,
+    dir: tempfile::TempDir,
+    keyring: Option<Arc<Keyring>>,
+) -> Proxy {
     let store = SledStore::open(&SledConfig::new(dir.path().join("data"))).unwrap();
     let engine = Engine::new(Arc::new(store), Arc::new(SystemClock)).with_keyring(keyring);
     proxy_on_engine(upstream, engine, dir, |_| {}).await

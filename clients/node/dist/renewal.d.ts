@@ -4,7 +4,8 @@ export interface Watch {
     readonly claim: Claim;
     /** Aborted (with the LeaseLost) when a renewal finds the lease lost. */
     readonly lease: AbortController;
-    /** When its next renewal is due (ms since the epoch). */
+    /** When its next renewal is due (ms on `performance.now()`'s clock:
+     * monotonic, so a wall clock stepped back never delays a renewal). */
     due: number;
     /** A renewal of it is in flight: never two at once. */
     renewing: boolean;
@@ -16,6 +17,7 @@ export declare class Renewals {
     private readonly renew;
     private readonly watches;
     private timer;
+    private closed;
     /** `renew` sends one renewal with a deadline of at most `beatMs`. */
     constructor(beatMs: number, renew: (claim: Claim) => Promise<void>);
     /** Starts watching a claim whose handler is about to run. */

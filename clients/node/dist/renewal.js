@@ -17,6 +17,7 @@ class Renewals {
     renew;
     watches = new Set();
     timer;
+    closed = false;
     /** `renew` sends one renewal with a deadline of at most `beatMs`. */
     constructor(beatMs, renew) {
         this.beatMs = beatMs;
@@ -24,7 +25,10 @@ class Renewals {
     }
     /** Starts watching a claim whose handler is about to run. */
     watch(claim, lease) {
-        const watch = { claim, lease, due: Date.now() + this.beatMs, renewing: false, ended: false };
+        const watch = { claim, lease, due: performance.now() + this.beatMs, renewing: false, ended: false };
+        // After close(): the call will fail on the closed channel; nothing to renew.
+        if (this.closed)
+            return watch;
         this.watches.add(watch);
         if (this.timer === undefined)
             this.arm();
@@ -40,6 +44,7 @@ class Renewals {
     }
     /** The client is closed: nothing is renewed any more. */
     close() {
+        this.closed = true;
         if (this.timer !== undefined)
             clearTimeout(this.timer);
         this.timer = undefined;
@@ -52,7 +57,7 @@ class Renewals {
     }
     look() {
         this.timer = undefined;
-        const now = Date.now();
+        const now = performance.now();
         for (const watch of this.watches) {
             if (watch.renewing || watch.due > now)
                 continue;
@@ -76,7 +81,8 @@ class Renewals {
         }
         else {
             // Unavailable, a deadline: again a quarter beat after the failed
-            // one was sent; the lease has two beats left.
+            // one was sent. A renewal waits at most a beat, so at least half a
+            // beat of the lease is left for the retry.
             watch.due = sentAt + this.beatMs / 4;
         }
     }

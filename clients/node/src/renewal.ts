@@ -17,7 +17,8 @@ export interface Watch {
   readonly claim: Claim;
   /** Aborted (with the LeaseLost) when a renewal finds the lease lost. */
   readonly lease: AbortController;
-  /** When its next renewal is due (ms since the epoch). */
+  /** When its next renewal is due (ms on `performance.now()`'s clock:
+   * monotonic, so a wall clock stepped back never delays a renewal). */
   due: number;
   /** A renewal of it is in flight: never two at once. */
   renewing: boolean;
@@ -28,6 +29,7 @@ export interface Watch {
 export class Renewals {
   private readonly watches = new Set<Watch>();
   private timer: NodeJS.Timeout | undefined;
+  private closed = false;
 
   /** `renew` sends one renewal with a deadline of at most `beatMs`. */
   constructor(
@@ -37,7 +39,9 @@ export class Renewals {
 
   /** Starts watching a claim whose handler is about to run. */
   watch(claim: Claim, lease: AbortController): Watch {
-    const watch: Watch = { claim, lease, due: Date.now() + this.beatMs, renewing: false, ended: false };
+    const watch: Watch = { claim, lease, due: performance.now() + this.beatMs, renewing: false, ended: false };
+    // After close(): the call will fail on the closed channel; nothing to renew.
+    if (this.closed) return watch;
     this.watches.add(watch);
     if (this.timer === undefined) this.arm();
     else if (this.watches.size === 1) this.timer.ref();
@@ -52,6 +56,7 @@ export class Renewals {
 
   /** The client is closed: nothing is renewed any more. */
   close(): void {
+    this.closed = true;
     if (this.timer !== undefined) clearTimeout(this.timer);
     this.timer = undefined;
     for (const watch of this.watches) watch.ended = true;
@@ -64,7 +69,7 @@ export class Renewals {
 
   private look(): void {
     this.timer = undefined;
-    const now = Date.now();
+    const now = performance.now();
     for (const watch of this.watches) {
       if (watch.renewing || watch.due > now) continue;
       watch.renewing = true;
@@ -88,7 +93,8 @@ export class Renewals {
       watch.lease.abort(error);
     } else {
       // Unavailable, a deadline: again a quarter beat after the failed
-      // one was sent; the lease has two beats left.
+      // one was sent. A renewal waits at most a beat, so at least half a
+      // beat of the lease is left for the retry.
       watch.due = sentAt + this.beatMs / 4;
     }
   }
