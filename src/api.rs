@@ -526,6 +526,7 @@ pub fn record(key: &Key, record: Record) -> pb::Record {
             .map(|o| o.ordering_key.clone())
             .unwrap_or_default(),
         sequence: record.ordering.map_or(0, |o| o.sequence),
+        response_erased: record.response_erased,
     }
 }
 

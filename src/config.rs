@@ -307,6 +307,11 @@ pub struct ServeArgs {
     /// name sorts last seals; every key opens.
     #[arg(long, env = "DEDUPD_ENCRYPTION_KEY_FILE", value_delimiter = ',')]
     pub encryption_key_file: Vec<PathBuf>,
+    /// A namespace's own sealing key, as NAMESPACE=FILE (a key file or a
+    /// directory of them), comma-separated or repeated: removing it erases
+    /// that namespace's answers and no other's. Needs --encryption-key-file.
+    #[arg(long, env = "DEDUPD_NAMESPACE_KEY", value_delimiter = ',', value_parser = parse_namespace_key)]
+    pub namespace_key: Vec<(String, PathBuf)>,
     /// The HTTP idempotency proxy (off unless --http-proxy-listen is set).
     #[command(flatten)]
     pub http_proxy: HttpProxyArgs,
@@ -848,6 +853,8 @@ pub struct Settings {
     pub ready_file: Option<PathBuf>,
     /// The key files answers are sealed with (none: stored in plaintext).
     pub encryption_key_files: Vec<PathBuf>,
+    /// Namespaces' own key files.
+    pub namespace_key_files: Vec<(String, PathBuf)>,
     /// Log format.
     pub log_format: LogFormat,
     /// Log filter.
@@ -860,6 +867,17 @@ pub struct Settings {
     pub traces: Option<TraceSettings>,
     /// The memory caches and buffers are sized from.
     pub memory: MemoryBudget,
+}
+
+fn parse_namespace_key(text: &str) -> Result<(String, PathBuf), String> {
+    let (namespace, path) = text
+        .split_once('=')
+        .ok_or_else(|| format!("{text:?} is not NAMESPACE=FILE"))?;
+    check_namespace(namespace).map_err(|problem| format!("namespace {namespace:?} {problem}"))?;
+    if path.is_empty() {
+        return Err(format!("{text:?} names no key file"));
+    }
+    Ok((namespace.to_owned(), PathBuf::from(path)))
 }
 
 fn parse_namespace_retention(text: &str) -> Result<(String, Duration), String> {
@@ -1040,6 +1058,12 @@ impl ServeArgs {
             self.default_retention.into(),
             max_retention,
         )?;
+        if !self.namespace_key.is_empty() && self.encryption_key_file.is_empty() {
+            return Err(
+                "--namespace-key needs --encryption-key-file (the key of every other namespace)"
+                    .into(),
+            );
+        }
         for (namespace, retention) in &self.namespace_retention {
             check_duration_flag(
                 &format!("namespace-retention of {namespace}"),
@@ -1184,6 +1208,7 @@ impl ServeArgs {
             shutdown_grace: self.shutdown_grace.into(),
             ready_file: self.ready_file.clone(),
             encryption_key_files: self.encryption_key_file.clone(),
+            namespace_key_files: self.namespace_key.clone(),
             log_format: self.log_format,
             log_filter,
             worker_threads: self.worker_threads,

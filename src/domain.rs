@@ -227,6 +227,10 @@ pub struct Record {
     pub request_id: String,
     /// Whether the latest claim took over an expired one.
     pub recovered: bool,
+    /// Never stored: set by the engine on a committed record whose sealed
+    /// answer's key is not configured (erased by removing it); `response`
+    /// is then empty.
+    pub response_erased: bool,
 }
 
 /// A validated Claim.
@@ -452,6 +456,7 @@ impl Record {
             ordering: None,
             request_id: String::new(),
             recovered: false,
+            response_erased: false,
         }
     }
 }

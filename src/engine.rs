@@ -17,7 +17,7 @@ use crate::{
     error::{Error, FieldViolation},
     machine,
     metrics::Metrics,
-    sealing::{self, Binding, Keyring},
+    sealing::{self, Binding, Keyring, Unsealable},
     store::{Attempt, Store},
     telemetry,
 };
@@ -371,22 +371,23 @@ impl<S: Store> Engine<S> {
     }
 
     /// `record` with its answer opened, when answers are sealed and it holds
-    /// one: an answer that does not open — or a sealed one where no keys
-    /// are given — is an error of the call (logged where it is answered),
-    /// never replayed and never claimed afresh.
+    /// one. One sealed with a key that is not configured (or with none
+    /// given) is erased ([`Record::response_erased`]); one that does not
+    /// open — altered, moved, or plaintext where answers are sealed — is an
+    /// error of the call (logged where it is answered). Neither is ever
+    /// replayed as it is, nor claimed afresh.
     fn opened(&self, key: &Key, record: Record) -> Result<Record, Error> {
         if record.state != RecordState::Committed {
             return Ok(record);
         }
         let Some(keyring) = &self.keyring else {
-            // Keys removed from a store that holds sealed answers: never
-            // replay a ciphertext as if it were the answer.
-            return match sealing::looks_sealed(&record.response) {
-                false => Ok(record),
-                true => Err(Error::Corrupt(format!(
-                    "the stored answer of {key} is sealed, and no --encryption-key-file is given"
-                ))),
-            };
+            // Every key removed from a store that holds sealed answers:
+            // erased, never replayed as a ciphertext.
+            return Ok(if sealing::looks_sealed(&record.response) {
+                erased(record)
+            } else {
+                record
+            });
         };
         if record.response.is_empty() {
             // Committed before sealing was on, with no answer: nothing was
@@ -400,6 +401,10 @@ impl<S: Store> Engine<S> {
         };
         match keyring.open(&binding, &record.response) {
             Ok(response) => Ok(Record { response, ..record }),
+            // Its key is gone: erased on purpose (crypto-shredding), or not
+            // given. A documented state, not an error: the event was
+            // processed, its answer is not to be had.
+            Err(Unsealable::UnknownKey(_)) => Ok(erased(record)),
             Err(problem) => Err(Error::Corrupt(format!(
                 "the stored answer of {key} {problem}"
             ))),
@@ -439,6 +444,16 @@ impl<S: Store> Engine<S> {
                 machine::raise_mark(current, committed, now)
             })
             .await
+    }
+}
+
+/// A committed record whose answer's key is not configured: its answer
+/// erased, and said to be.
+fn erased(record: Record) -> Record {
+    Record {
+        response: Vec::new(),
+        response_erased: true,
+        ..record
     }
 }
 

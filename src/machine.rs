@@ -144,6 +144,7 @@ pub fn claim<E>(
         ordering: request.ordering.clone(),
         request_id: request.request_id.clone(),
         recovered,
+        response_erased: false,
     };
     Ok((
         Change::Put(record.clone()),

@@ -366,13 +366,24 @@ fn configure(args: &ServeArgs) -> Result<(Settings, StoreSettings, ServerConfig)
         metrics: Arc::new(Metrics::new()),
         clock: Arc::new(SystemClock),
         ready_file: settings.ready_file.clone(),
-        keyring: (!settings.encryption_key_files.is_empty())
-            .then(|| Keyring::load(&settings.encryption_key_files).map(Arc::new))
-            .transpose()?,
+        keyring: load_keyring(&settings)?,
         connections: settings.connections,
         ..ServerConfig::default()
     };
     Ok((settings, store, server))
+}
+
+/// The sealing keys, when answers are sealed: the default ones, then each
+/// namespace's own.
+fn load_keyring(settings: &Settings) -> Result<Option<Arc<Keyring>>, String> {
+    if settings.encryption_key_files.is_empty() {
+        return Ok(None);
+    }
+    let mut keyring = Keyring::load(&settings.encryption_key_files)?;
+    for (namespace, path) in &settings.namespace_key_files {
+        keyring = keyring.with_namespace_keys(namespace, std::slice::from_ref(path))?;
+    }
+    Ok(Some(Arc::new(keyring)))
 }
 
 /// Descriptors kept for the store, the listeners and the ops port.

@@ -18,7 +18,7 @@
 //! What is not sealed: correlation IDs (the lookup key), record metadata,
 //! timing and sizes (a ciphertext is its answer's length plus 52 bytes).
 
-use std::{fmt, path::PathBuf};
+use std::{collections::BTreeMap, fmt, path::PathBuf};
 
 use base64::Engine as _;
 use chacha20poly1305::{
@@ -101,13 +101,18 @@ pub enum Unsealable {
 pub struct Keyring {
     /// In file-name order; the last seals.
     keys: Vec<SealingKey>,
+    /// Namespaces with keys of their own (`--namespace-key`): the last
+    /// seals that namespace's answers, and removing them erases those
+    /// answers while every other namespace keeps working.
+    namespaces: BTreeMap<String, Vec<SealingKey>>,
 }
 
 impl fmt::Debug for Keyring {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Keyring")
             .field("keys", &self.ids())
-            .field("seals_with", &self.sealing().id)
+            .field("seals_with", &self.sealing_id())
+            .field("namespaces", &self.namespaces.keys().collect::<Vec<_>>())
             .finish()
     }
 }
@@ -117,36 +122,26 @@ impl Keyring {
     /// visible regular files (a Secret mount's `..data` links are skipped)
     /// are each a key. The error is one line naming the file.
     pub fn load(paths: &[PathBuf]) -> Result<Keyring, String> {
-        let mut files = Vec::new();
-        for path in paths {
-            if path.is_dir() {
-                let entries = std::fs::read_dir(path)
-                    .map_err(|e| format!("--encryption-key-file {}: {e}", path.display()))?;
-                for entry in entries {
-                    let entry = entry
-                        .map_err(|e| format!("--encryption-key-file {}: {e}", path.display()))?;
-                    let hidden = entry.file_name().to_string_lossy().starts_with('.');
-                    if !hidden && entry.path().is_file() {
-                        files.push(entry.path());
-                    }
-                }
-            } else {
-                files.push(path.clone());
-            }
+        Keyring::from_keys(read_keys("encryption-key-file", paths)?)
+    }
+
+    /// The same keys, and `namespace`'s own from `paths` (files or
+    /// directories, as for [`Keyring::load`]).
+    pub fn with_namespace_keys(
+        mut self,
+        namespace: &str,
+        paths: &[PathBuf],
+    ) -> Result<Keyring, String> {
+        let keys = read_keys(&format!("namespace-key {namespace}"), paths)?;
+        if keys.is_empty() {
+            return Err(format!("--namespace-key {namespace} names no key file"));
         }
-        // The newest seals: name files so that a later one sorts last
-        // (`2026-12.key`, `2027-03.key`).
-        files.sort_by(|a, b| a.file_name().cmp(&b.file_name()).then(a.cmp(b)));
-        let mut keys = Vec::with_capacity(files.len());
-        for file in files {
-            let text = std::fs::read_to_string(&file)
-                .map_err(|e| format!("--encryption-key-file {}: {e}", file.display()))?;
-            let key = parse_key(&text).map_err(|problem| {
-                format!("--encryption-key-file {}: {problem}", file.display())
-            })?;
-            keys.push(SealingKey::new(&key, file));
-        }
-        Keyring::from_keys(keys)
+        self.namespaces
+            .entry(namespace.to_owned())
+            .or_default()
+            .extend(keys);
+        self.check_unique()?;
+        Ok(self)
     }
 
     /// A keyring of raw keys, the last sealing (tests, benchmarks).
@@ -159,20 +154,52 @@ impl Keyring {
         )
     }
 
+    /// The same keys, and `namespace`'s own raw keys (tests, benchmarks).
+    pub fn with_namespace_key_bytes(
+        mut self,
+        namespace: &str,
+        keys: &[[u8; KEY_BYTES]],
+    ) -> Result<Keyring, String> {
+        self.namespaces
+            .entry(namespace.to_owned())
+            .or_default()
+            .extend(keys.iter().enumerate().map(|(index, key)| {
+                SealingKey::new(key, PathBuf::from(format!("{namespace} key {index}")))
+            }));
+        self.check_unique()?;
+        Ok(self)
+    }
+
     fn from_keys(keys: Vec<SealingKey>) -> Result<Keyring, String> {
         if keys.is_empty() {
             return Err("--encryption-key-file names no key file".into());
         }
-        for (index, key) in keys.iter().enumerate() {
-            if let Some(twin) = keys[..index].iter().find(|other| other.id == key.id) {
+        let keyring = Keyring {
+            keys,
+            namespaces: BTreeMap::new(),
+        };
+        keyring.check_unique()?;
+        Ok(keyring)
+    }
+
+    /// No key twice: a namespace's key that is also another's, or the
+    /// default's, would not erase its answers when removed.
+    fn check_unique(&self) -> Result<(), String> {
+        let all: Vec<&SealingKey> = self
+            .keys
+            .iter()
+            .chain(self.namespaces.values().flatten())
+            .collect();
+        for (index, key) in all.iter().enumerate() {
+            if let Some(twin) = all[..index].iter().find(|other| other.id == key.id) {
                 return Err(format!(
-                    "--encryption-key-file {} holds the same key as {}",
+                    "{} holds the same key as {}",
                     key.source.display(),
                     twin.source.display()
                 ));
             }
         }
-        Ok(Keyring { keys })
+        Ok(())
     }
 
     /// The IDs of every key, the sealing one last.
@@ -180,18 +207,30 @@ impl Keyring {
         self.keys.iter().map(|key| key.id).collect()
     }
 
-    fn sealing(&self) -> &SealingKey {
-        self.keys.last().expect("a keyring has a key")
+    /// The key that seals `namespace`'s answers: its own newest, or the
+    /// default newest.
+    fn sealing(&self, namespace: &str) -> &SealingKey {
+        self.namespaces
+            .get(namespace)
+            .and_then(|keys| keys.last())
+            .or(self.keys.last())
+            .expect("a keyring has a key")
     }
 
-    /// The ID of the key that seals.
+    /// The ID of the key that seals answers of namespaces without keys of
+    /// their own.
     pub fn sealing_id(&self) -> KeyId {
-        self.sealing().id
+        self.keys.last().expect("a keyring has a key").id
     }
 
-    /// `answer`, sealed to `binding` with the newest key.
+    /// The ID of the key that seals `namespace`'s answers.
+    pub fn sealing_id_for(&self, namespace: &str) -> KeyId {
+        self.sealing(namespace).id
+    }
+
+    /// `answer`, sealed to `binding` with the newest key of its namespace.
     pub fn seal(&self, binding: &Binding<'_>, answer: &[u8]) -> Vec<u8> {
-        let key = self.sealing();
+        let key = self.sealing(binding.key.namespace());
         let nonce = XChaCha20Poly1305::generate_nonce(&mut OsRng);
         let aad = binding.associated_data();
         let ciphertext = key
@@ -217,9 +256,14 @@ impl Keyring {
     /// this very `binding` and not altered since.
     pub fn open(&self, binding: &Binding<'_>, sealed: &[u8]) -> Result<Vec<u8>, Unsealable> {
         let id = Self::key_id(sealed)?;
+        // Its namespace's keys, then the default ones (what sealed it
+        // before the namespace had keys of its own).
         let key = self
-            .keys
-            .iter()
+            .namespaces
+            .get(binding.key.namespace())
+            .into_iter()
+            .flatten()
+            .chain(&self.keys)
             .find(|key| key.id == id)
             .ok_or(Unsealable::UnknownKey(id))?;
         let nonce = XNonce::from_slice(&sealed[MAGIC.len() + ID_BYTES..HEADER_BYTES]);
@@ -284,6 +328,41 @@ impl Binding<'_> {
         aad.extend_from_slice(&self.lease_token.0.to_be_bytes());
         aad
     }
+}
+
+/// Every key file `paths` name (files, or directories' visible files), in
+/// file-name order; `flag` names them in errors.
+fn read_keys(flag: &str, paths: &[PathBuf]) -> Result<Vec<SealingKey>, String> {
+    let mut files = Vec::new();
+    for path in paths {
+        if path.is_dir() {
+            let entries =
+                std::fs::read_dir(path).map_err(|e| format!("--{flag} {}: {e}", path.display()))?;
+            for entry in entries {
+                let entry = entry.map_err(|e| format!("--{flag} {}: {e}", path.display()))?;
+                // A Secret mount's `..data` and timestamped directories.
+                let hidden = entry.file_name().to_string_lossy().starts_with('.');
+                if !hidden && entry.path().is_file() {
+                    files.push(entry.path());
+                }
+            }
+        } else {
+            files.push(path.clone());
+        }
+    }
+    // The newest seals: name files so that a later one sorts last
+    // (`2026-12.key`, `2027-03.key`).
+    files.sort_by(|a, b| a.file_name().cmp(&b.file_name()).then(a.cmp(b)));
+    files
+        .into_iter()
+        .map(|file| {
+            let text = std::fs::read_to_string(&file)
+                .map_err(|e| format!("--{flag} {}: {e}", file.display()))?;
+            let key = parse_key(&text)
+                .map_err(|problem| format!("--{flag} {}: {problem}", file.display()))?;
+            Ok(SealingKey::new(&key, file))
+        })
+        .collect()
 }
 
 /// A key file's text: 32 bytes as base64 (standard or URL-safe, padded or

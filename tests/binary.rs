@@ -236,6 +236,8 @@ fn bad_configuration_exits_64_with_one_line_before_touching_anything() {
     let short_key = key_file("short.key", "AAECAwQFBgcICQoLDA0ODw==\n");
     let good_key = key_file("good.key", &format!("{}\n", "ab".repeat(32)));
     let twin_key = key_file("twin.key", &"AB".repeat(32));
+    let payments_key = format!("payments={}", key_file("payments.key", &"cd".repeat(32)));
+    let payments_twin = format!("payments={twin_key}");
     let no_keys = dir.path().join("no-keys");
     std::fs::create_dir(&no_keys).unwrap();
     let no_keys = no_keys.to_str().unwrap().to_owned();
@@ -456,6 +458,21 @@ fn bad_configuration_exits_64_with_one_line_before_touching_anything() {
             vec!["--encryption-key-file", &good_key, "--encryption-key-file", &twin_key],
             vec![],
             "holds the same key as",
+        ),
+        (
+            vec!["--namespace-key", &payments_key],
+            vec![],
+            "--namespace-key needs --encryption-key-file",
+        ),
+        (
+            vec!["--encryption-key-file", &good_key, "--namespace-key", &payments_twin],
+            vec![],
+            "holds the same key as",
+        ),
+        (
+            vec!["--namespace-key", "payments"],
+            vec![],
+            "is not NAMESPACE=FILE",
         ),
         (vec!["--memory-budget", "12XB"], vec![], "unknown unit"),
         (

@@ -290,10 +290,11 @@ async fn an_altered_or_moved_answer_is_refused() {
 }
 
 /// Sealed answers survive a restart with the keys; without them (or with
-/// another key) each is refused, never replayed as its ciphertext; an
-/// added key seals new answers while the old one still opens the old.
+/// another key) each is erased — DUPLICATE, no response, `response_erased`
+/// — never replayed as its ciphertext and never claimed afresh; an added
+/// key seals new answers while the old one still opens the old.
 #[tokio::test]
-async fn without_its_key_a_sealed_answer_is_refused_not_replayed() {
+async fn without_its_key_a_sealed_answer_is_erased_not_replayed() {
     let old_key = [0x11; 32];
     let new_key = [0x22; 32];
     let with_keys = |keys: &'static [[u8; 32]]| {
@@ -321,16 +322,16 @@ async fn without_its_key_a_sealed_answer_is_refused_not_replayed() {
     for keys in [&[][..], &[[0x22; 32]][..]] {
         let mut server = restart(keys).start().await;
         let mut client = server.client().await;
-        let status = client
-            .claim(claim_request("paid"))
-            .await
-            .expect_err("refused without its key");
+        let again = claim(&mut client, claim_request("paid")).await;
         assert_eq!(
-            status.code(),
-            tonic::Code::Internal,
-            "{} keys: {status:?}",
+            outcome(&again),
+            pb::ClaimOutcome::Duplicate,
+            "{} keys",
             keys.len()
         );
+        let record = again.record.unwrap();
+        assert!(record.response_erased, "{} keys: {record:?}", keys.len());
+        assert!(record.response.is_empty());
         server.stop_in_place().await.expect("clean stop");
     }
 
@@ -447,5 +448,79 @@ async fn every_face_opens_a_sealed_answer() {
     assert_eq!(outcome(&again), pb::ClaimOutcome::Duplicate);
     assert!(again.record.unwrap().response.is_empty());
     resealed.stop().await.expect("clean stop");
+    server.stop().await.expect("clean stop");
+}
+
+/// A namespace's own key, removed, erases that namespace's answers at once
+/// (DUPLICATE, `response_erased`, never processed again) while every other
+/// namespace's answers still replay.
+#[tokio::test]
+async fn removing_a_namespace_key_erases_only_its_answers() {
+    let default_key = [0x31; 32];
+    let payments_key = [0x32; 32];
+    let both = Keyring::from_bytes(&[default_key])
+        .unwrap()
+        .with_namespace_key_bytes("payments", &[payments_key])
+        .unwrap();
+    assert_ne!(
+        both.sealing_id_for("payments"),
+        both.sealing_id_for("orders")
+    );
+    let mut server = TestServer::builder()
+        .config(|config| config.keyring = Some(Arc::new(both)))
+        .start()
+        .await;
+    let mut client = server.client().await;
+    for (namespace, answer) in [("payments", "card 4242"), ("orders", "parcel 9")] {
+        let claimed = claim(
+            &mut client,
+            pb::ClaimRequest {
+                namespace: namespace.into(),
+                ..claim_request("evt-1")
+            },
+        )
+        .await;
+        client
+            .commit(pb::CommitRequest {
+                namespace: namespace.into(),
+                response: answer.into(),
+                ..commit_request("evt-1", &claimed.lease_token)
+            })
+            .await
+            .expect("commit");
+    }
+    let (dir, clock, space) = (
+        Arc::clone(&server.dir),
+        server.clock.clone(),
+        server.store.test_space(),
+    );
+    server.stop_in_place().await.expect("clean stop");
+    drop(server);
+
+    let server = TestServer::builder()
+        .in_dir(dir, clock)
+        .in_space(space)
+        .config(|config| {
+            config.keyring = Some(Arc::new(Keyring::from_bytes(&[default_key]).unwrap()))
+        })
+        .start()
+        .await;
+    let mut client = server.client().await;
+    let replay = |namespace: &str| pb::ClaimRequest {
+        namespace: namespace.into(),
+        ..claim_request("evt-1")
+    };
+    let payments = claim(&mut client, replay("payments")).await;
+    assert_eq!(outcome(&payments), pb::ClaimOutcome::Duplicate);
+    let payments = payments.record.unwrap();
+    assert!(
+        payments.response_erased && payments.response.is_empty(),
+        "{payments:?}"
+    );
+    let orders = claim(&mut client, replay("orders")).await;
+    assert_eq!(outcome(&orders), pb::ClaimOutcome::Duplicate);
+    let orders = orders.record.unwrap();
+    assert!(!orders.response_erased);
+    assert_eq!(orders.response, b"parcel 9");
     server.stop().await.expect("clean stop");
 }

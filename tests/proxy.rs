@@ -1483,8 +1483,8 @@ async fn a_sealed_answer_is_replayed_and_never_stored_in_plaintext() {
     }
 }
 
-/// A committed key whose stored answer no longer opens (here: the proxy
-/// restarted with another key) is answered "outcome unknown" — never
+/// A committed key whose stored answer no longer opens (here: erased, the
+/// proxy restarted with another key) is answered "outcome unknown" — never
 /// forwarded again, never "store unavailable" to be retried for a day.
 #[tokio::test]
 async fn an_answer_that_no_longer_opens_is_outcome_unknown_never_forwarded() {

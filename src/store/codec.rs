@@ -152,6 +152,8 @@ pub fn decode_record(bytes: &[u8]) -> Result<Record, Error> {
         }),
         request_id: stored.request_id,
         recovered: stored.recovered,
+        // The engine's to set, never stored.
+        response_erased: false,
     })
 }
 
@@ -204,6 +206,7 @@ mod tests {
             }),
             request_id: "7f1c".into(),
             recovered: true,
+            response_erased: false,
         };
         assert_eq!(decode_record(&encode_record(&record)).unwrap(), record);
         let bare = Record {

@@ -59,6 +59,8 @@ pub(super) fn record_from_row(row: &Row) -> Result<Record, Error> {
         }),
         request_id: row.get("request_id"),
         recovered: row.get("recovered"),
+        // The engine's to set, never stored.
+        response_erased: false,
     })
 }
 
