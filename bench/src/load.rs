@@ -65,7 +65,8 @@ pub struct LoadArgs {
     /// Namespace the IDs are claimed in.
     #[arg(long, default_value = "bench")]
     pub namespace: String,
-    /// The answer each Commit stores, in bytes (dedupd and the no-op server
+    /// The answer each Commit stores, in bytes, and so the one each of
+    /// duplicate-heavy's repeats gets back (dedupd and the no-op server
     /// only: the Redis and PostgreSQL baselines store none).
     #[arg(long, default_value_t = 0)]
     pub response_bytes: usize,
@@ -223,7 +224,11 @@ async fn seed_pool(
     mut connection: Connection,
 ) -> Result<Vec<String>, String> {
     let pool: Vec<String> = (0..1000).map(|i| format!("{run_id}-pool-{i}")).collect();
-    for chunk in pool.chunks(args.batch_size.min(500)) {
+    // The answers their replays carry: --response-bytes each, committed in
+    // batches of at most ~2 MiB (under any gRPC message limit).
+    let response = vec![b'r'; args.response_bytes];
+    let per_batch = ((2 << 20) / args.response_bytes.max(1)).clamp(1, args.batch_size.min(500));
+    for chunk in pool.chunks(per_batch) {
         let claimed = connection.claim_batch(&args.namespace, chunk).await?;
         let to_commit: Vec<(String, String)> = chunk
             .iter()
@@ -231,7 +236,7 @@ async fn seed_pool(
             .zip(claimed.into_iter().map(|(_, token)| token))
             .collect();
         connection
-            .commit_batch(&args.namespace, &to_commit, &[])
+            .commit_batch(&args.namespace, &to_commit, &response)
             .await?;
     }
     Ok(pool)

@@ -296,6 +296,7 @@ fn record_seeds() -> Vec<Vec<u8>> {
         }),
         request_id: "7f1c".into(),
         recovered: true,
+        response_erased: false,
     };
     let claimed = Record {
         state: RecordState::Claimed,

@@ -33,6 +33,9 @@ export interface DedupRecord {
     owner: string;
     payloadFingerprint: string;
     response: Buffer;
+    /** The response was sealed with an encryption key the sidecar no longer
+     * has (erased): `response` is empty. */
+    responseErased: boolean;
     orderingKey: string;
     sequence: bigint;
     leaseExpiresAt: Date | undefined;
@@ -54,6 +57,9 @@ export interface Claim {
     recovered: boolean;
     duplicate: boolean;
     cachedResponse: Buffer;
+    /** A duplicate whose response was erased (its encryption key removed):
+     * `cachedResponse` is empty. */
+    responseErased: boolean;
 }
 /** Optional fields of a Claim (see dedup.proto's ClaimRequest). */
 export interface ClaimFields {

@@ -54,6 +54,7 @@ function toRecord(raw) {
         owner: raw.owner,
         payloadFingerprint: raw.payload_fingerprint,
         response: raw.response,
+        responseErased: raw.response_erased,
         orderingKey: raw.ordering_key,
         sequence: BigInt(raw.sequence),
         leaseExpiresAt: date(raw.lease_expires_at),
@@ -173,6 +174,7 @@ class Client {
                     recovered: answer.recovered,
                     duplicate,
                     cachedResponse: duplicate ? record.response : Buffer.alloc(0),
+                    responseErased: duplicate && record.response_erased,
                 };
             }
             case 'CLAIM_OUTCOME_IN_PROGRESS':

@@ -62,6 +62,9 @@ export interface DedupRecord {
   owner: string;
   payloadFingerprint: string;
   response: Buffer;
+  /** The response was sealed with an encryption key the sidecar no longer
+   * has (erased): `response` is empty. */
+  responseErased: boolean;
   orderingKey: string;
   sequence: bigint;
   leaseExpiresAt: Date | undefined;
@@ -84,6 +87,9 @@ export interface Claim {
   recovered: boolean;
   duplicate: boolean;
   cachedResponse: Buffer;
+  /** A duplicate whose response was erased (its encryption key removed):
+   * `cachedResponse` is empty. */
+  responseErased: boolean;
 }
 
 /** Optional fields of a Claim (see dedup.proto's ClaimRequest). */
@@ -106,7 +112,7 @@ interface RawRecord {
   lease_expires_at: Timestamp | null; attempt: number; event_type: string;
   consumer_version: string; owner: string; payload_fingerprint: string;
   claimed_at: Timestamp | null; committed_at: Timestamp | null; retain_until: Timestamp | null;
-  response: Buffer; ordering_key: string; sequence: string;
+  response: Buffer; ordering_key: string; sequence: string; response_erased: boolean;
 }
 interface RawClaimResponse {
   outcome: string; lease_token: string; fencing_token: string; attempt: number;
@@ -165,6 +171,7 @@ function toRecord(raw: RawRecord): DedupRecord {
     owner: raw.owner,
     payloadFingerprint: raw.payload_fingerprint,
     response: raw.response,
+    responseErased: raw.response_erased,
     orderingKey: raw.ordering_key,
     sequence: BigInt(raw.sequence),
     leaseExpiresAt: date(raw.lease_expires_at),
@@ -292,6 +299,7 @@ export class Client {
           recovered: answer.recovered,
           duplicate,
           cachedResponse: duplicate ? record.response : Buffer.alloc(0),
+          responseErased: duplicate && record.response_erased,
         };
       }
       case 'CLAIM_OUTCOME_IN_PROGRESS':

@@ -3,6 +3,7 @@
 
 const test = require('node:test');
 const assert = require('node:assert/strict');
+const fs = require('node:fs');
 const path = require('node:path');
 const { Client, DedupError, FingerprintMismatch, InProgress, LeaseLost, Stale, Unavailable } = require('@dedupd/client');
 const { TOKEN, freePort, securedSidecar, sleep, startSidecar, tempDir } = require('./sidecar.cjs');
@@ -151,6 +152,29 @@ test('a lost lease aborts the handler\'s signal and refuses the commit', async (
     return 'too late';
   }), LeaseLost);
   assert.ok(aborted instanceof LeaseLost, String(aborted));
+});
+
+test('an answer whose sealing key was removed is a duplicate with responseErased', async (t) => {
+  const dir = tempDir(t);
+  const key = (name, hex) => { const file = path.join(dir, name); fs.writeFileSync(file, hex.repeat(32)); return file; };
+  const first = await startSidecar(t, dir, '127.0.0.1:0', '--encryption-key-file', key('a.key', 'aa'));
+  const sealing = new Client({ address: first.address });
+  assert.equal((await sealing.process('erased-1', () => 'card 4242')).toString(), 'card 4242');
+  sealing.close();
+  await first.stop();
+  // The key destroyed: another one only.
+  const second = await startSidecar(t, dir, '127.0.0.1:0', '--encryption-key-file', key('b.key', 'bb'));
+  const dedup = new Client({ address: second.address });
+  t.after(() => dedup.close());
+  const claim = await dedup.claimOnce('erased-1');
+  assert.equal(claim.duplicate, true, 'processed once, never again');
+  assert.equal(claim.responseErased, true);
+  assert.equal(claim.cachedResponse.length, 0);
+  const record = await dedup.lookup('erased-1');
+  assert.equal(record.responseErased, true);
+  let called = false;
+  assert.equal((await dedup.process('erased-1', () => { called = true; })).length, 0);
+  assert.equal(called, false);
 });
 
 test('stale and fingerprint mismatch are errors of their own', async (t) => {

@@ -286,3 +286,30 @@ def test_a_call_rides_out_a_sidecar_restart(workdir: pathlib.Path) -> None:
     while not restarted and time.monotonic() < deadline:
         time.sleep(0.05)
     restarted[0].stop()
+
+
+def test_an_answer_whose_sealing_key_was_removed_is_a_duplicate_marked_erased(
+    workdir: pathlib.Path,
+) -> None:
+    keys = {name: workdir / f"{name}.key" for name in ("a", "b")}
+    keys["a"].write_text("aa" * 32)
+    keys["b"].write_text("bb" * 32)
+    first = start(workdir, "127.0.0.1:0", "--encryption-key-file", str(keys["a"]))
+    try:
+        with dedupd.Client(first.address) as client:
+            assert client.process("erased-1", lambda claim: b"card 4242") == b"card 4242"
+    finally:
+        first.stop()
+    # The key destroyed: another one only.
+    second = start(workdir, "127.0.0.1:0", "--encryption-key-file", str(keys["b"]))
+    try:
+        with dedupd.Client(second.address) as client:
+            with client.claim("erased-1") as claim:
+                assert claim.duplicate, "processed once, never again"
+                assert claim.response_erased
+                assert claim.cached_response == b""
+            called = []
+            assert client.process("erased-1", lambda claim: called.append(1)) == b""
+            assert not called
+    finally:
+        second.stop()

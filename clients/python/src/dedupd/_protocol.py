@@ -92,6 +92,9 @@ class Claim:
     recovered: bool
     duplicate: bool = False
     cached_response: bytes = b""
+    #: A duplicate whose stored response was sealed with an encryption key
+    #: the sidecar no longer has (erased): `cached_response` is empty.
+    response_erased: bool = False
     #: Set once Commit succeeded (or the claim was released).
     settled: bool = field(default=False, repr=False)
     #: Set by the background renewal when the server refused to renew.
@@ -176,6 +179,7 @@ def claim_result(
             recovered=response.recovered,
             duplicate=duplicate,
             cached_response=record.response if duplicate else b"",
+            response_erased=duplicate and record.response_erased,
             settled=duplicate,
         )
     if outcome == pb.CLAIM_OUTCOME_IN_PROGRESS:

@@ -62,7 +62,7 @@ RELEASE_OUTCOME_NOT_FOUND: ReleaseOutcome
 RELEASE_OUTCOME_LEASE_LOST: ReleaseOutcome
 
 class Record(_message.Message):
-    __slots__ = ("namespace", "correlation_id", "state", "fencing_token", "lease_expires_at", "attempt", "event_type", "consumer_version", "owner", "payload_fingerprint", "claimed_at", "committed_at", "retain_until", "response", "ordering_key", "sequence")
+    __slots__ = ("namespace", "correlation_id", "state", "fencing_token", "lease_expires_at", "attempt", "event_type", "consumer_version", "owner", "payload_fingerprint", "claimed_at", "committed_at", "retain_until", "response", "ordering_key", "sequence", "response_erased")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CORRELATION_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class Record(_message.Message):
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     ORDERING_KEY_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_ERASED_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     correlation_id: str
     state: RecordState
@@ -95,7 +96,8 @@ class Record(_message.Message):
     response: bytes
     ordering_key: str
     sequence: int
-    def __init__(self, namespace: _Optional[str] = ..., correlation_id: _Optional[str] = ..., state: _Optional[_Union[RecordState, str]] = ..., fencing_token: _Optional[int] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., attempt: _Optional[int] = ..., event_type: _Optional[str] = ..., consumer_version: _Optional[str] = ..., owner: _Optional[str] = ..., payload_fingerprint: _Optional[str] = ..., claimed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., retain_until: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., response: _Optional[bytes] = ..., ordering_key: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
+    response_erased: bool
+    def __init__(self, namespace: _Optional[str] = ..., correlation_id: _Optional[str] = ..., state: _Optional[_Union[RecordState, str]] = ..., fencing_token: _Optional[int] = ..., lease_expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., attempt: _Optional[int] = ..., event_type: _Optional[str] = ..., consumer_version: _Optional[str] = ..., owner: _Optional[str] = ..., payload_fingerprint: _Optional[str] = ..., claimed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., committed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., retain_until: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., response: _Optional[bytes] = ..., ordering_key: _Optional[str] = ..., sequence: _Optional[int] = ..., response_erased: _Optional[bool] = ...) -> None: ...
 
 class ClaimRequest(_message.Message):
     __slots__ = ("namespace", "correlation_id", "lease_ttl", "retention", "event_type", "consumer_version", "owner", "payload_fingerprint", "ordering_key", "sequence", "request_id")
