@@ -128,7 +128,7 @@ impl Keyring {
     /// The same keys, and `namespace`'s own from `paths` (files or
     /// directories, as for [`Keyring::load`]).
     pub fn with_namespace_keys(
-        mut self,
+        self,
         namespace: &str,
         paths: &[PathBuf],
     ) -> Result<Keyring, String> {
@@ -136,12 +136,7 @@ impl Keyring {
         if keys.is_empty() {
             return Err(format!("--namespace-key {namespace} names no key file"));
         }
-        self.namespaces
-            .entry(namespace.to_owned())
-            .or_default()
-            .extend(keys);
-        self.check_unique()?;
-        Ok(self)
+        self.add_namespace_keys(namespace, keys)
     }
 
     /// A keyring of raw keys, the last sealing (tests, benchmarks).
@@ -156,16 +151,30 @@ impl Keyring {
 
     /// The same keys, and `namespace`'s own raw keys (tests, benchmarks).
     pub fn with_namespace_key_bytes(
-        mut self,
+        self,
         namespace: &str,
         keys: &[[u8; KEY_BYTES]],
+    ) -> Result<Keyring, String> {
+        let keys = keys
+            .iter()
+            .enumerate()
+            .map(|(index, key)| {
+                SealingKey::new(key, PathBuf::from(format!("{namespace} key {index}")))
+            })
+            .collect();
+        self.add_namespace_keys(namespace, keys)
+    }
+
+    /// `keys` added to `namespace`'s own, every key still unique.
+    fn add_namespace_keys(
+        mut self,
+        namespace: &str,
+        keys: Vec<SealingKey>,
     ) -> Result<Keyring, String> {
         self.namespaces
             .entry(namespace.to_owned())
             .or_default()
-            .extend(keys.iter().enumerate().map(|(index, key)| {
-                SealingKey::new(key, PathBuf::from(format!("{namespace} key {index}")))
-            }));
+            .extend(keys);
         self.check_unique()?;
         Ok(self)
     }
