@@ -28,6 +28,7 @@ use crate::{
         idempotency::{CallerScope, KeySyntax, ReleaseOn, RoutePattern},
         server::{AfterUnknownOutcome, ProxyConfig},
     },
+    sealing::{KeyFiles, KeyId},
     store::{
         postgres::{self, check_schema, PostgresConfig},
         redis::{self, RedisConfig},
@@ -307,11 +308,28 @@ pub struct ServeArgs {
     /// name sorts last seals; every key opens.
     #[arg(long, env = "DEDUPD_ENCRYPTION_KEY_FILE", value_delimiter = ',')]
     pub encryption_key_file: Vec<PathBuf>,
+    /// Keys that open stored answers but never seal (same files as
+    /// --encryption-key-file): the first step of a rotation on a shared
+    /// store, or the old keys once sealing is turned off.
+    #[arg(long, env = "DEDUPD_DECRYPTION_KEY_FILE", value_delimiter = ',')]
+    pub decryption_key_file: Vec<PathBuf>,
     /// A namespace's own sealing key, as NAMESPACE=FILE (a key file or a
-    /// directory of them), comma-separated or repeated: removing it erases
-    /// that namespace's answers and no other's. Needs --encryption-key-file.
+    /// directory of them), comma-separated or repeated; a namespace's files
+    /// sort together, the name sorting last seals. Removing a key and
+    /// declaring it with --erased-key-id erases that namespace's answers and
+    /// no other's. Needs --encryption-key-file.
     #[arg(long, env = "DEDUPD_NAMESPACE_KEY", value_delimiter = ',', value_parser = parse_namespace_key)]
     pub namespace_key: Vec<(String, PathBuf)>,
+    /// A namespace's own key that opens but never seals, as NAMESPACE=FILE.
+    #[arg(long, env = "DEDUPD_NAMESPACE_DECRYPTION_KEY", value_delimiter = ',', value_parser = parse_namespace_key)]
+    pub namespace_decryption_key: Vec<(String, PathBuf)>,
+    /// The ID of a key destroyed on purpose (16 hexadecimal digits, as the
+    /// start-up log prints it), comma-separated or repeated: answers it
+    /// sealed read as erased (DUPLICATE with response_erased; the proxy's
+    /// outcome-unknown). An answer under any other key that is not
+    /// configured is an error, never an empty answer.
+    #[arg(long, env = "DEDUPD_ERASED_KEY_ID", value_delimiter = ',')]
+    pub erased_key_id: Vec<KeyId>,
     /// The HTTP idempotency proxy (off unless --http-proxy-listen is set).
     #[command(flatten)]
     pub http_proxy: HttpProxyArgs,
@@ -851,10 +869,9 @@ pub struct Settings {
     pub shutdown_grace: Duration,
     /// Where to announce readiness.
     pub ready_file: Option<PathBuf>,
-    /// The key files answers are sealed with (none: stored in plaintext).
-    pub encryption_key_files: Vec<PathBuf>,
-    /// Namespaces' own key files.
-    pub namespace_key_files: Vec<(String, PathBuf)>,
+    /// The key files answers are sealed and opened with, and the keys
+    /// declared destroyed (none: stored in plaintext).
+    pub key_files: KeyFiles,
     /// Log format.
     pub log_format: LogFormat,
     /// Log filter.
@@ -873,6 +890,12 @@ fn parse_namespace_key(text: &str) -> Result<(String, PathBuf), String> {
     let (namespace, path) = text
         .split_once('=')
         .ok_or_else(|| format!("{text:?} is not NAMESPACE=FILE"))?;
+    if namespace.is_empty() {
+        return Err(format!(
+            "{text:?} names no namespace (the keys of every namespace without its own are \
+             --encryption-key-file's)"
+        ));
+    }
     check_namespace(namespace).map_err(|problem| format!("namespace {namespace:?} {problem}"))?;
     if path.is_empty() {
         return Err(format!("{text:?} names no key file"));
@@ -1058,12 +1081,6 @@ impl ServeArgs {
             self.default_retention.into(),
             max_retention,
         )?;
-        if !self.namespace_key.is_empty() && self.encryption_key_file.is_empty() {
-            return Err(
-                "--namespace-key needs --encryption-key-file (the key of every other namespace)"
-                    .into(),
-            );
-        }
         for (namespace, retention) in &self.namespace_retention {
             check_duration_flag(
                 &format!("namespace-retention of {namespace}"),
@@ -1207,8 +1224,13 @@ impl ServeArgs {
             reaper_interval,
             shutdown_grace: self.shutdown_grace.into(),
             ready_file: self.ready_file.clone(),
-            encryption_key_files: self.encryption_key_file.clone(),
-            namespace_key_files: self.namespace_key.clone(),
+            key_files: KeyFiles {
+                sealing: self.encryption_key_file.clone(),
+                opening: self.decryption_key_file.clone(),
+                namespace_sealing: self.namespace_key.clone(),
+                namespace_opening: self.namespace_decryption_key.clone(),
+                erased: self.erased_key_id.clone(),
+            },
             log_format: self.log_format,
             log_filter,
             worker_threads: self.worker_threads,

@@ -312,7 +312,8 @@ impl<S: Store> Engine<S> {
         &self,
         request: &CommitRequest,
     ) -> Result<Result<CommitOutcome, LeaseLost>, Error> {
-        if self.keyring.is_none() && sealing::looks_sealed(&request.response) {
+        let sealer = self.keyring.as_ref().filter(|keyring| keyring.seals());
+        if sealer.is_none() && sealing::looks_sealed(&request.response) {
             // It would be refused when read back (see `opened`): say so now.
             return Err(Error::InvalidArgument(vec![FieldViolation::new(
                 "response",
@@ -321,7 +322,7 @@ impl<S: Store> Engine<S> {
             )]));
         }
         let mut at = self.decision_time()?;
-        let sealed = self.keyring.as_ref().map(|keyring| CommitRequest {
+        let sealed = sealer.map(|keyring| CommitRequest {
             response: keyring.seal(
                 &Binding {
                     key: &request.key,
@@ -370,41 +371,50 @@ impl<S: Store> Engine<S> {
         })
     }
 
-    /// `record` with its answer opened, when answers are sealed and it holds
-    /// one. One sealed with a key that is not configured (or with none
-    /// given) is erased ([`Record::response_erased`]); one that does not
-    /// open — altered, moved, or plaintext where answers are sealed — is an
-    /// error of the call (logged where it is answered). Neither is ever
-    /// replayed as it is, nor claimed afresh.
+    /// `record` with its answer opened, when it holds a sealed one (or
+    /// answers are sealed). One sealed with a key declared destroyed
+    /// (`--erased-key-id`) is erased ([`Record::response_erased`], counted);
+    /// one that does not open — a key neither configured nor declared
+    /// erased, altered, moved, or plaintext where answers are sealed — is an
+    /// error of the call (logged where it is answered), so a wrong or
+    /// missing key never reads as empty answers. Neither is ever replayed
+    /// as it is, nor claimed afresh.
     fn opened(&self, key: &Key, record: Record) -> Result<Record, Error> {
-        if record.state != RecordState::Committed {
+        if record.state != RecordState::Committed || record.response.is_empty() {
+            // An empty answer (committed before sealing was on, with none):
+            // nothing was kept that sealing would protect (a sealed answer
+            // is never empty), so the many consumers that store none switch
+            // freely.
             return Ok(record);
         }
-        let Some(keyring) = &self.keyring else {
-            // Every key removed from a store that holds sealed answers:
-            // erased, never replayed as a ciphertext.
-            return Ok(if sealing::looks_sealed(&record.response) {
-                erased(record)
-            } else {
-                record
-            });
-        };
-        if record.response.is_empty() {
-            // Committed before sealing was on, with no answer: nothing was
-            // kept that sealing would protect (a sealed answer is never
-            // empty), so the many consumers that store none switch freely.
+        let seals = self.keyring.as_ref().is_some_and(|keyring| keyring.seals());
+        if !seals && !sealing::looks_sealed(&record.response) {
+            // Sealing is off and this answer was stored as it is.
             return Ok(record);
         }
         let binding = Binding {
             key,
             lease_token: record.lease_token,
         };
-        match keyring.open(&binding, &record.response) {
+        let opened = match &self.keyring {
+            Some(keyring) => keyring.open(&binding, &record.response),
+            None => {
+                Keyring::key_id(&record.response).and_then(|id| Err(Unsealable::UnknownKey(id)))
+            }
+        };
+        match opened {
             Ok(response) => Ok(Record { response, ..record }),
-            // Its key is gone: erased on purpose (crypto-shredding), or not
-            // given. A documented state, not an error: the event was
-            // processed, its answer is not to be had.
-            Err(Unsealable::UnknownKey(_)) => Ok(erased(record)),
+            // Its key was destroyed on purpose (crypto-shredding): a
+            // documented state, not an error — the event was processed, its
+            // answer is not to be had.
+            Err(Unsealable::Erased(_)) => {
+                self.metrics.answer_erased(key.namespace());
+                Ok(Record {
+                    response: Vec::new(),
+                    response_erased: true,
+                    ..record
+                })
+            }
             Err(problem) => Err(Error::Corrupt(format!(
                 "the stored answer of {key} {problem}"
             ))),
@@ -444,16 +454,6 @@ impl<S: Store> Engine<S> {
                 machine::raise_mark(current, committed, now)
             })
             .await
-    }
-}
-
-/// A committed record whose answer's key is not configured: its answer
-/// erased, and said to be.
-fn erased(record: Record) -> Record {
-    Record {
-        response: Vec::new(),
-        response_erased: true,
-        ..record
     }
 }
 

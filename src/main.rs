@@ -227,6 +227,10 @@ fn serve(args: &ServeArgs) -> ExitCode {
         ),
         "memory budget"
     );
+    if let Some(keyring) = &server.keyring {
+        // Each key's ID: what --erased-key-id takes once a key is destroyed.
+        tracing::info!(keys = %keyring.describe(), "sealing keys");
+    }
     if let Some(traces) = &settings.traces {
         tracing::info!(endpoint = %traces.endpoint, protocol = ?traces.protocol, sampler = ?traces.sampler, "exporting traces with OTLP");
     }
@@ -373,17 +377,9 @@ fn configure(args: &ServeArgs) -> Result<(Settings, StoreSettings, ServerConfig)
     Ok((settings, store, server))
 }
 
-/// The sealing keys, when answers are sealed: the default ones, then each
-/// namespace's own.
+/// The sealing keys, when any key flag is given.
 fn load_keyring(settings: &Settings) -> Result<Option<Arc<Keyring>>, String> {
-    if settings.encryption_key_files.is_empty() {
-        return Ok(None);
-    }
-    let mut keyring = Keyring::load(&settings.encryption_key_files)?;
-    for (namespace, path) in &settings.namespace_key_files {
-        keyring = keyring.with_namespace_keys(namespace, std::slice::from_ref(path))?;
-    }
-    Ok(Some(Arc::new(keyring)))
+    Ok(Keyring::load(&settings.key_files)?.map(Arc::new))
 }
 
 /// Descriptors kept for the store, the listeners and the ops port.

@@ -61,6 +61,11 @@ struct TierLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NamespaceLabels {
+    dedup_namespace: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RpcLabels {
     rpc: &'static str,
 }
@@ -74,6 +79,7 @@ fn latency_histogram() -> Histogram {
 pub struct Metrics {
     registry: Registry,
     outcomes: Family<OutcomeLabels, Counter>,
+    answers_erased: Family<NamespaceLabels, Counter>,
     rpc_seconds: Family<RpcLabels, Histogram, fn() -> Histogram>,
     group_commit_size: Histogram,
     sync_seconds: Histogram,
@@ -137,6 +143,12 @@ impl Metrics {
             "outcomes",
             "Answers by dedup namespace and outcome (claimed, recovered, duplicate, in_progress, fingerprint_mismatch, stale, committed, lease_lost, released)",
             outcomes.clone(),
+        );
+        let answers_erased = Family::<NamespaceLabels, Counter>::default();
+        registry.register(
+            "answers_erased",
+            "Stored answers read whose key was declared destroyed (--erased-key-id), answered with response_erased, by dedup namespace",
+            answers_erased.clone(),
         );
         let rpc_seconds = Family::<RpcLabels, Histogram, fn() -> Histogram>::new_with_constructor(
             latency_histogram,
@@ -296,6 +308,7 @@ impl Metrics {
         Metrics {
             registry,
             outcomes,
+            answers_erased,
             rpc_seconds,
             group_commit_size,
             sync_seconds,
@@ -341,23 +354,36 @@ impl Metrics {
 
     /// Counts one answer in `namespace`.
     pub fn outcome(&self, namespace: &str, outcome: OutcomeKind) {
-        let namespace = {
-            let mut seen = self.namespaces.lock().expect("metrics lock poisoned");
-            if seen.contains(namespace) {
-                namespace
-            } else if seen.len() < MAX_NAMESPACE_LABELS {
-                seen.insert(namespace.to_owned());
-                namespace
-            } else {
-                OTHER_NAMESPACE
-            }
-        };
         self.outcomes
             .get_or_create(&OutcomeLabels {
-                dedup_namespace: namespace.to_owned(),
+                dedup_namespace: self.namespace_label(namespace),
                 outcome: outcome.as_str(),
             })
             .inc();
+    }
+
+    /// Counts one stored answer of `namespace` read as erased.
+    pub fn answer_erased(&self, namespace: &str) {
+        self.answers_erased
+            .get_or_create(&NamespaceLabels {
+                dedup_namespace: self.namespace_label(namespace),
+            })
+            .inc();
+    }
+
+    /// `namespace` as a label: the first namespaces seen keep their name,
+    /// later ones share one label, so callers cannot grow the series
+    /// without bound.
+    fn namespace_label(&self, namespace: &str) -> String {
+        let mut seen = self.namespaces.lock().expect("metrics lock poisoned");
+        if seen.contains(namespace) {
+            namespace.to_owned()
+        } else if seen.len() < MAX_NAMESPACE_LABELS {
+            seen.insert(namespace.to_owned());
+            namespace.to_owned()
+        } else {
+            OTHER_NAMESPACE.to_owned()
+        }
     }
 
     /// Records how long one RPC took; `rpc` is a label from the fixed

@@ -18,7 +18,12 @@
 //! What is not sealed: correlation IDs (the lookup key), record metadata,
 //! timing and sizes (a ciphertext is its answer's length plus 52 bytes).
 
-use std::{collections::BTreeMap, fmt, path::PathBuf};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    path::PathBuf,
+    str::FromStr,
+};
 
 use base64::Engine as _;
 use chacha20poly1305::{
@@ -46,7 +51,7 @@ pub const OVERHEAD_BYTES: usize = HEADER_BYTES + TAG_BYTES;
 /// A key's ID: the first 8 bytes of SHA-256 over a label and the key, so it
 /// names the key without revealing it, and a wrong key under a familiar
 /// file name is told from the right one.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct KeyId([u8; ID_BYTES]);
 
 impl KeyId {
@@ -58,6 +63,26 @@ impl KeyId {
         let mut id = [0; ID_BYTES];
         id.copy_from_slice(&digest[..ID_BYTES]);
         KeyId(id)
+    }
+}
+
+impl FromStr for KeyId {
+    type Err = String;
+
+    /// 16 hexadecimal digits, as the start-up log and errors print an ID.
+    fn from_str(text: &str) -> Result<Self, String> {
+        let text = text.trim();
+        if text.len() != 2 * ID_BYTES || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(format!(
+                "{text:?} is not a key ID (16 hexadecimal digits, as the start-up log prints them)"
+            ));
+        }
+        let mut id = [0; ID_BYTES];
+        for (index, byte) in id.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(&text[2 * index..2 * index + 2], 16)
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(KeyId(id))
     }
 }
 
@@ -82,122 +107,210 @@ struct SealingKey {
 }
 
 /// Why a stored answer did not open. Each is an error of the call, never an
-/// answer: a damaged answer is not replayed, and not claimed afresh either.
+/// answer: a damaged answer is not replayed, and not claimed afresh either —
+/// except [`Unsealable::Erased`], a documented state.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Unsealable {
     /// Not in the sealed format (written in plaintext, or its header altered).
     #[error("is not sealed (written before encryption was on, or altered)")]
     NotSealed,
-    /// Sealed with a key that is not among ours.
-    #[error("was sealed with key {0}, which is not configured")]
+    /// Sealed with a key that is neither configured nor declared erased: a
+    /// wrong or missing Secret, a key removed too early, or an altered key
+    /// ID. An error, so a misconfiguration never reads as empty answers.
+    #[error(
+        "was sealed with key {0}, which is not configured (mount it with --encryption-key-file \
+         or --decryption-key-file, or declare it destroyed with --erased-key-id {0})"
+    )]
     UnknownKey(KeyId),
+    /// Sealed with a key declared destroyed (`--erased-key-id`): the answer
+    /// is erased on purpose (crypto-shredding).
+    #[error("was sealed with key {0}, which is declared erased")]
+    Erased(KeyId),
     /// The key is ours but the ciphertext does not authenticate: altered, or
-    /// copied from another record.
+    /// copied from another record (or from another namespace's key).
     #[error("failed its integrity check (altered, or copied from another record)")]
     Forged,
 }
 
+/// Where a keyring's keys come from (the command line's key flags).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KeyFiles {
+    /// `--encryption-key-file`: the file name sorting last seals, all open.
+    pub sealing: Vec<PathBuf>,
+    /// `--decryption-key-file`: open only (the first step of a rotation on
+    /// a shared store, or every key once sealing is turned off).
+    pub opening: Vec<PathBuf>,
+    /// `--namespace-key NAMESPACE=FILE`: a namespace's own sealing keys.
+    pub namespace_sealing: Vec<(String, PathBuf)>,
+    /// `--namespace-decryption-key NAMESPACE=FILE`: a namespace's own keys
+    /// that only open.
+    pub namespace_opening: Vec<(String, PathBuf)>,
+    /// `--erased-key-id`: keys destroyed on purpose; what they sealed reads
+    /// as erased.
+    pub erased: Vec<KeyId>,
+}
+
+impl KeyFiles {
+    /// No key flag given: answers are stored as they are.
+    pub fn is_empty(&self) -> bool {
+        self == &KeyFiles::default()
+    }
+}
+
+/// One group of keys: those that seal (the last does) and those that only
+/// open.
+#[derive(Default)]
+struct Keys {
+    /// In file-name order; the last seals.
+    sealing: Vec<SealingKey>,
+    opening: Vec<SealingKey>,
+}
+
+impl Keys {
+    fn all(&self) -> impl Iterator<Item = &SealingKey> {
+        self.sealing.iter().chain(&self.opening)
+    }
+}
+
 /// The keys answers are sealed and opened with.
 pub struct Keyring {
-    /// In file-name order; the last seals.
-    keys: Vec<SealingKey>,
+    /// Every namespace's, unless it has its own.
+    keys: Keys,
     /// Namespaces with keys of their own (`--namespace-key`): the last
-    /// seals that namespace's answers, and removing them erases those
-    /// answers while every other namespace keeps working.
-    namespaces: BTreeMap<String, Vec<SealingKey>>,
+    /// seals that namespace's answers, and removing them (and declaring
+    /// them erased) erases those answers while every other namespace keeps
+    /// working.
+    namespaces: BTreeMap<String, Keys>,
+    /// Keys destroyed on purpose.
+    erased: BTreeSet<KeyId>,
 }
 
 impl fmt::Debug for Keyring {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Keyring")
             .field("keys", &self.ids())
-            .field("seals_with", &self.sealing_id())
+            .field("seals_with", &self.keys.sealing.last().map(|key| key.id))
             .field("namespaces", &self.namespaces.keys().collect::<Vec<_>>())
+            .field("erased", &self.erased)
             .finish()
     }
 }
 
 impl Keyring {
-    /// Reads every key file: each path is a file, or a directory whose
-    /// visible regular files (a Secret mount's `..data` links are skipped)
-    /// are each a key. The error is one line naming the file.
-    pub fn load(paths: &[PathBuf]) -> Result<Keyring, String> {
-        Keyring::from_keys(read_keys("encryption-key-file", paths)?)
-    }
-
-    /// The same keys, and `namespace`'s own from `paths` (files or
-    /// directories, as for [`Keyring::load`]).
-    pub fn with_namespace_keys(
-        self,
-        namespace: &str,
-        paths: &[PathBuf],
-    ) -> Result<Keyring, String> {
-        let keys = read_keys(&format!("namespace-key {namespace}"), paths)?;
-        if keys.is_empty() {
-            return Err(format!("--namespace-key {namespace} names no key file"));
+    /// Reads every key file `files` name: each path is a file, or a
+    /// directory whose visible regular files (a Secret mount's `..data`
+    /// links are skipped) are each a key; a namespace's files are sorted
+    /// together, whatever order they were given in. `None` when no key flag
+    /// is given. The error is one line naming the file.
+    pub fn load(files: &KeyFiles) -> Result<Option<Keyring>, String> {
+        if files.is_empty() {
+            return Ok(None);
         }
-        self.add_namespace_keys(namespace, keys)
+        if !files.namespace_sealing.is_empty() && files.sealing.is_empty() {
+            return Err(
+                "--namespace-key needs --encryption-key-file (the key of every other namespace)"
+                    .into(),
+            );
+        }
+        let mut namespaces: BTreeMap<String, Keys> = BTreeMap::new();
+        for (flag, given, opening) in [
+            ("namespace-key", &files.namespace_sealing, false),
+            ("namespace-decryption-key", &files.namespace_opening, true),
+        ] {
+            let mut paths: BTreeMap<&str, Vec<PathBuf>> = BTreeMap::new();
+            for (namespace, path) in given {
+                paths.entry(namespace).or_default().push(path.clone());
+            }
+            for (namespace, paths) in paths {
+                let keys = read_keys(&format!("{flag} {namespace}"), &paths)?;
+                if keys.is_empty() {
+                    return Err(format!("--{flag} {namespace} names no key file"));
+                }
+                let group = namespaces.entry(namespace.to_owned()).or_default();
+                if opening {
+                    group.opening = keys;
+                } else {
+                    group.sealing = keys;
+                }
+            }
+        }
+        let keyring = Keyring {
+            keys: Keys {
+                sealing: read_keys("encryption-key-file", &files.sealing)?,
+                opening: read_keys("decryption-key-file", &files.opening)?,
+            },
+            namespaces,
+            erased: files.erased.iter().copied().collect(),
+        };
+        if !files.sealing.is_empty() && keyring.keys.sealing.is_empty() {
+            return Err("--encryption-key-file names no key file".into());
+        }
+        if !files.opening.is_empty() && keyring.keys.opening.is_empty() {
+            return Err("--decryption-key-file names no key file".into());
+        }
+        keyring.check()?;
+        Ok(Some(keyring))
     }
 
     /// A keyring of raw keys, the last sealing (tests, benchmarks).
     pub fn from_bytes(keys: &[[u8; KEY_BYTES]]) -> Result<Keyring, String> {
-        Keyring::from_keys(
-            keys.iter()
-                .enumerate()
-                .map(|(index, key)| SealingKey::new(key, PathBuf::from(format!("key {index}"))))
-                .collect(),
-        )
-    }
-
-    /// The same keys, and `namespace`'s own raw keys (tests, benchmarks).
-    pub fn with_namespace_key_bytes(
-        self,
-        namespace: &str,
-        keys: &[[u8; KEY_BYTES]],
-    ) -> Result<Keyring, String> {
-        let keys = keys
-            .iter()
-            .enumerate()
-            .map(|(index, key)| {
-                SealingKey::new(key, PathBuf::from(format!("{namespace} key {index}")))
-            })
-            .collect();
-        self.add_namespace_keys(namespace, keys)
-    }
-
-    /// `keys` added to `namespace`'s own, every key still unique.
-    fn add_namespace_keys(
-        mut self,
-        namespace: &str,
-        keys: Vec<SealingKey>,
-    ) -> Result<Keyring, String> {
-        self.namespaces
-            .entry(namespace.to_owned())
-            .or_default()
-            .extend(keys);
-        self.check_unique()?;
-        Ok(self)
-    }
-
-    fn from_keys(keys: Vec<SealingKey>) -> Result<Keyring, String> {
         if keys.is_empty() {
             return Err("--encryption-key-file names no key file".into());
         }
         let keyring = Keyring {
-            keys,
+            keys: Keys {
+                sealing: raw_keys("key", keys),
+                opening: Vec::new(),
+            },
             namespaces: BTreeMap::new(),
+            erased: BTreeSet::new(),
         };
-        keyring.check_unique()?;
+        keyring.check()?;
         Ok(keyring)
     }
 
-    /// No key twice: a namespace's key that is also another's, or the
-    /// default's, would not erase its answers when removed.
-    fn check_unique(&self) -> Result<(), String> {
+    /// The same keys, and `namespace`'s own raw keys, the last sealing
+    /// (tests, benchmarks).
+    pub fn with_namespace_key_bytes(
+        mut self,
+        namespace: &str,
+        keys: &[[u8; KEY_BYTES]],
+    ) -> Result<Keyring, String> {
+        let label = format!("{namespace} key");
+        self.namespaces
+            .entry(namespace.to_owned())
+            .or_default()
+            .sealing
+            .extend(raw_keys(&label, keys));
+        self.check()?;
+        Ok(self)
+    }
+
+    /// The same keys, with `ids` declared erased (tests).
+    pub fn with_erased(mut self, ids: &[KeyId]) -> Result<Keyring, String> {
+        self.erased.extend(ids);
+        self.check()?;
+        Ok(self)
+    }
+
+    /// A keyring that seals nothing and opens nothing, with `ids` declared
+    /// erased: sealing turned off, the old keys destroyed (tests).
+    pub fn erased_only(ids: &[KeyId]) -> Keyring {
+        Keyring {
+            keys: Keys::default(),
+            namespaces: BTreeMap::new(),
+            erased: ids.iter().copied().collect(),
+        }
+    }
+
+    /// No key twice (a namespace's key that is also another's, or the
+    /// default's, would not erase its answers when removed), and no key
+    /// both configured and declared erased.
+    fn check(&self) -> Result<(), String> {
         let all: Vec<&SealingKey> = self
             .keys
-            .iter()
-            .chain(self.namespaces.values().flatten())
+            .all()
+            .chain(self.namespaces.values().flat_map(Keys::all))
             .collect();
         for (index, key) in all.iter().enumerate() {
             if let Some(twin) = all[..index].iter().find(|other| other.id == key.id) {
@@ -207,13 +320,60 @@ impl Keyring {
                     twin.source.display()
                 ));
             }
+            if self.erased.contains(&key.id) {
+                return Err(format!(
+                    "{} holds key {}, which --erased-key-id declares destroyed",
+                    key.source.display(),
+                    key.id
+                ));
+            }
         }
         Ok(())
     }
 
-    /// The IDs of every key, the sealing one last.
+    /// Whether this keyring seals answers (it may only open them, or only
+    /// know which keys were destroyed).
+    pub fn seals(&self) -> bool {
+        !self.keys.sealing.is_empty()
+    }
+
+    /// Each key's ID and what it does, for the start-up log line:
+    /// `default: 1a2b… seals, 3c4d… opens; payments: …; erased: …`.
+    pub fn describe(&self) -> String {
+        let group = |keys: &Keys| {
+            let last = keys.sealing.len().checked_sub(1);
+            keys.sealing
+                .iter()
+                .enumerate()
+                .map(|(index, key)| {
+                    let role = if Some(index) == last {
+                        "seals"
+                    } else {
+                        "opens"
+                    };
+                    format!("{} {role}", key.id)
+                })
+                .chain(keys.opening.iter().map(|key| format!("{} opens", key.id)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        std::iter::once(format!("default: {}", group(&self.keys)))
+            .chain(
+                self.namespaces
+                    .iter()
+                    .map(|(namespace, keys)| format!("{namespace}: {}", group(keys))),
+            )
+            .chain((!self.erased.is_empty()).then(|| {
+                let ids: Vec<String> = self.erased.iter().map(KeyId::to_string).collect();
+                format!("erased: {}", ids.join(", "))
+            }))
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+
+    /// The IDs of the default sealing keys, the sealing one last.
     pub fn ids(&self) -> Vec<KeyId> {
-        self.keys.iter().map(|key| key.id).collect()
+        self.keys.sealing.iter().map(|key| key.id).collect()
     }
 
     /// The key that seals `namespace`'s answers: its own newest, or the
@@ -221,15 +381,15 @@ impl Keyring {
     fn sealing(&self, namespace: &str) -> &SealingKey {
         self.namespaces
             .get(namespace)
-            .and_then(|keys| keys.last())
-            .or(self.keys.last())
-            .expect("a keyring has a key")
+            .and_then(|keys| keys.sealing.last())
+            .or(self.keys.sealing.last())
+            .expect("only a keyring that seals is asked to")
     }
 
     /// The ID of the key that seals answers of namespaces without keys of
     /// their own.
     pub fn sealing_id(&self) -> KeyId {
-        self.keys.last().expect("a keyring has a key").id
+        self.keys.sealing.last().expect("a keyring that seals").id
     }
 
     /// The ID of the key that seals `namespace`'s answers.
@@ -267,14 +427,23 @@ impl Keyring {
         let id = Self::key_id(sealed)?;
         // Its namespace's keys, then the default ones (what sealed it
         // before the namespace had keys of its own).
-        let key = self
-            .namespaces
-            .get(binding.key.namespace())
+        let own = self.namespaces.get(binding.key.namespace());
+        let Some(key) = own
             .into_iter()
-            .flatten()
-            .chain(&self.keys)
+            .flat_map(Keys::all)
+            .chain(self.keys.all())
             .find(|key| key.id == id)
-            .ok_or(Unsealable::UnknownKey(id))?;
+        else {
+            let elsewhere = self.namespaces.values().flat_map(Keys::all);
+            return Err(if elsewhere.into_iter().any(|key| key.id == id) {
+                // Another namespace's key: moved from one of its records.
+                Unsealable::Forged
+            } else if self.erased.contains(&id) {
+                Unsealable::Erased(id)
+            } else {
+                Unsealable::UnknownKey(id)
+            });
+        };
         let nonce = XNonce::from_slice(&sealed[MAGIC.len() + ID_BYTES..HEADER_BYTES]);
         let aad = binding.associated_data();
         key.cipher
@@ -337,6 +506,14 @@ impl Binding<'_> {
         aad.extend_from_slice(&self.lease_token.0.to_be_bytes());
         aad
     }
+}
+
+/// Raw keys labelled `label 0`, `label 1`, … for messages.
+fn raw_keys(label: &str, keys: &[[u8; KEY_BYTES]]) -> Vec<SealingKey> {
+    keys.iter()
+        .enumerate()
+        .map(|(index, key)| SealingKey::new(key, PathBuf::from(format!("{label} {index}"))))
+        .collect()
 }
 
 /// Every key file `paths` name (files, or directories' visible files), in
@@ -511,9 +688,122 @@ mod tests {
         for name in ["2026-12.key", "2027-03.key"] {
             std::os::unix::fs::symlink(format!("..data/{name}"), dir.path().join(name)).unwrap();
         }
-        let keys = Keyring::load(&[dir.path().to_owned()]).unwrap();
+        let keys = Keyring::load(&KeyFiles {
+            sealing: vec![dir.path().to_owned()],
+            ..KeyFiles::default()
+        })
+        .unwrap()
+        .expect("keys given");
         assert_eq!(keys.ids().len(), 2);
         assert_eq!(keys.sealing_id(), KeyId::of(&[0x22; KEY_BYTES]));
         assert_eq!(keys.ids()[0], KeyId::of(&[0x11; KEY_BYTES]));
+    }
+
+    /// A key ID that is not ours is an error unless declared erased; a key
+    /// of another namespace is a forgery (the answer was moved), never
+    /// erased; a flipped byte of the ID is no longer a key of ours.
+    #[test]
+    fn unknown_keys_are_errors_and_only_declared_ones_erased() {
+        let payments_key = [4; KEY_BYTES];
+        let keys = ring(&[[3; KEY_BYTES]])
+            .with_namespace_key_bytes("payments", &[payments_key])
+            .unwrap();
+        let payment = key("payments", "p-1");
+        let order = key("orders", "p-1");
+        let at = |key| Binding {
+            key,
+            lease_token: LeaseToken(5),
+        };
+        let sealed = keys.seal(&at(&payment), b"answer");
+        assert_eq!(
+            Keyring::key_id(&sealed).unwrap(),
+            keys.sealing_id_for("payments")
+        );
+        assert_eq!(keys.open(&at(&order), &sealed), Err(Unsealable::Forged));
+        let mut flipped = sealed.clone();
+        flipped[MAGIC.len()] ^= 0x80;
+        let flipped_id = Keyring::key_id(&flipped).unwrap();
+        assert_eq!(
+            keys.open(&at(&payment), &flipped),
+            Err(Unsealable::UnknownKey(flipped_id))
+        );
+
+        let payments_id = keys.sealing_id_for("payments");
+        let without = ring(&[[3; KEY_BYTES]]);
+        assert_eq!(
+            without.open(&at(&payment), &sealed),
+            Err(Unsealable::UnknownKey(payments_id))
+        );
+        let declared = ring(&[[3; KEY_BYTES]]).with_erased(&[payments_id]).unwrap();
+        assert_eq!(
+            declared.open(&at(&payment), &sealed),
+            Err(Unsealable::Erased(payments_id))
+        );
+        assert_eq!(
+            Keyring::erased_only(&[payments_id]).open(&at(&payment), &sealed),
+            Err(Unsealable::Erased(payments_id))
+        );
+        assert!(
+            ring(&[[3; KEY_BYTES]])
+                .with_namespace_key_bytes("payments", &[payments_key])
+                .unwrap()
+                .with_erased(&[payments_id])
+                .is_err(),
+            "a key held is not declared erased"
+        );
+        assert_eq!(payments_id.to_string().parse::<KeyId>(), Ok(payments_id));
+        assert!("xyz".parse::<KeyId>().is_err());
+    }
+
+    /// Open-only keys open and never seal; a namespace's files sort
+    /// together by name whatever order the flags came in.
+    #[test]
+    fn keys_that_only_open_and_namespace_files_in_name_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, byte: u8| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, format!("{byte:02x}").repeat(KEY_BYTES)).unwrap();
+            path
+        };
+        let default = write("default.key", 1);
+        let next = write("next.key", 2);
+        let (late, early) = (write("2027.key", 3), write("2026.key", 4));
+        let payments_old = write("payments-old.key", 5);
+        let files = KeyFiles {
+            sealing: vec![default],
+            opening: vec![next],
+            namespace_sealing: vec![("payments".into(), late), ("payments".into(), early)],
+            namespace_opening: vec![("payments".into(), payments_old)],
+            erased: Vec::new(),
+        };
+        let keys = Keyring::load(&files).unwrap().unwrap();
+        let id = |byte| KeyId::of(&[byte; KEY_BYTES]);
+        assert_eq!(keys.sealing_id(), id(1), "an open-only key never seals");
+        assert_eq!(
+            keys.sealing_id_for("payments"),
+            id(3),
+            "2027.key sorts last"
+        );
+        let old_seal = ring(&[[2; KEY_BYTES]]);
+        let order = key("orders", "o-1");
+        let binding = Binding {
+            key: &order,
+            lease_token: LeaseToken(1),
+        };
+        let sealed = old_seal.seal(&binding, b"sealed by the next key");
+        assert_eq!(
+            keys.open(&binding, &sealed).unwrap(),
+            b"sealed by the next key"
+        );
+        assert!(keys.describe().contains(&format!("{} seals", id(1))));
+        assert!(keys.describe().contains(&format!("{} opens", id(2))));
+
+        let erased_and_held = KeyFiles {
+            erased: vec![id(1)],
+            ..files
+        };
+        assert!(Keyring::load(&erased_and_held)
+            .unwrap_err()
+            .contains("declares destroyed"));
     }
 }

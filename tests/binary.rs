@@ -238,6 +238,11 @@ fn bad_configuration_exits_64_with_one_line_before_touching_anything() {
     let twin_key = key_file("twin.key", &"AB".repeat(32));
     let payments_key = format!("payments={}", key_file("payments.key", &"cd".repeat(32)));
     let payments_twin = format!("payments={twin_key}");
+    let no_namespace = format!("={twin_key}");
+    let good_key_id = dedupd::sealing::Keyring::from_bytes(&[[0xab; 32]])
+        .unwrap()
+        .sealing_id()
+        .to_string();
     let no_keys = dir.path().join("no-keys");
     std::fs::create_dir(&no_keys).unwrap();
     let no_keys = no_keys.to_str().unwrap().to_owned();
@@ -473,6 +478,31 @@ fn bad_configuration_exits_64_with_one_line_before_touching_anything() {
             vec!["--namespace-key", "payments"],
             vec![],
             "is not NAMESPACE=FILE",
+        ),
+        (
+            vec!["--encryption-key-file", &good_key, "--namespace-key", &no_namespace],
+            vec![],
+            "names no namespace",
+        ),
+        (
+            vec!["--encryption-key-file", &good_key],
+            vec![("DEDUPD_NAMESPACE_KEY", "orders=/no/orders.key,payments=/no/p.key")],
+            "--namespace-key orders /no/orders.key",
+        ),
+        (
+            vec!["--erased-key-id", "not-an-id"],
+            vec![],
+            "is not a key ID",
+        ),
+        (
+            vec!["--encryption-key-file", &good_key, "--erased-key-id", &good_key_id],
+            vec![],
+            "which --erased-key-id declares destroyed",
+        ),
+        (
+            vec!["--decryption-key-file", &no_keys],
+            vec![],
+            "--decryption-key-file names no key file",
         ),
         (vec!["--memory-budget", "12XB"], vec![], "unknown unit"),
         (

@@ -238,7 +238,9 @@ async fn an_altered_or_moved_answer_is_refused() {
     commit_and_replay(&server, "moved-to", b"token for bob").await;
     let sealed = stored_answer(server.store.as_ref(), "flipped").await;
 
-    for index in [0, 2, 12, sealed.len() / 2, sealed.len() - 1] {
+    // The magic, both ends of the key ID (another key: not configured, not
+    // declared erased), the nonce, the ciphertext and the tag.
+    for index in [0, 2, 4, 11, 12, sealed.len() / 2, sealed.len() - 1] {
         tamper(server.store.as_ref(), "flipped", |answer| {
             *answer = sealed.clone();
             answer[index] ^= 0x20;
@@ -289,65 +291,82 @@ async fn an_altered_or_moved_answer_is_refused() {
     server.stop().await.expect("clean stop");
 }
 
-/// Sealed answers survive a restart with the keys; without them (or with
-/// another key) each is erased — DUPLICATE, no response, `response_erased`
-/// — never replayed as its ciphertext and never claimed afresh; an added
-/// key seals new answers while the old one still opens the old.
+/// Sealed answers survive a restart with the keys. Without them (no keys,
+/// or another key: a wrong Secret, a key removed too early) each read is
+/// INTERNAL, naming the key — never an empty answer, never replayed as its
+/// ciphertext, never claimed afresh — until the key is back. Only a key
+/// declared destroyed (`--erased-key-id`) makes them erased: DUPLICATE, no
+/// response, `response_erased`, counted. An added key seals new answers
+/// while the old one still opens the old.
 #[tokio::test]
-async fn without_its_key_a_sealed_answer_is_erased_not_replayed() {
+async fn without_its_key_a_sealed_answer_is_refused_unless_declared_erased() {
     let old_key = [0x11; 32];
     let new_key = [0x22; 32];
-    let with_keys = |keys: &'static [[u8; 32]]| {
-        move |config: &mut dedupd::server::ServerConfig| {
-            config.keyring =
-                (!keys.is_empty()).then(|| Arc::new(Keyring::from_bytes(keys).unwrap()));
-        }
+    let old_id = Keyring::from_bytes(&[old_key]).unwrap().sealing_id();
+    let with = |keyring: Option<Keyring>| {
+        let keyring = keyring.map(Arc::new);
+        move |config: &mut dedupd::server::ServerConfig| config.keyring = keyring
     };
     let mut server = TestServer::builder()
-        .config(with_keys(&[[0x11; 32]]))
+        .config(with(Some(Keyring::from_bytes(&[old_key]).unwrap())))
         .start()
         .await;
     commit_and_replay(&server, "paid", b"receipt 17").await;
     let (dir, clock) = (Arc::clone(&server.dir), server.clock.clone());
     let space = server.store.test_space();
-    let restart = |keys: &'static [[u8; 32]]| {
+    let restart = |keyring: Option<Keyring>| {
         TestServer::builder()
             .in_dir(Arc::clone(&dir), clock.clone())
             .in_space(space.clone())
-            .config(with_keys(keys))
+            .config(with(keyring))
     };
     server.stop_in_place().await.expect("clean stop");
     drop(server);
 
-    for keys in [&[][..], &[[0x22; 32]][..]] {
-        let mut server = restart(keys).start().await;
+    let other = || Keyring::from_bytes(&[new_key]).unwrap();
+    for (case, keyring) in [("no keys", None), ("another key", Some(other()))] {
+        let mut server = restart(keyring).start().await;
         let mut client = server.client().await;
-        let again = claim(&mut client, claim_request("paid")).await;
-        assert_eq!(
-            outcome(&again),
-            pb::ClaimOutcome::Duplicate,
-            "{} keys",
-            keys.len()
-        );
-        let record = again.record.unwrap();
-        assert!(record.response_erased, "{} keys: {record:?}", keys.len());
-        assert!(record.response.is_empty());
+        let status = client
+            .claim(claim_request("paid"))
+            .await
+            .expect_err("an answer whose key is missing is refused");
+        assert_eq!(status.code(), tonic::Code::Internal, "{case}: {status:?}");
+        assert!(!status.message().contains("receipt"), "{case}: {status:?}");
         server.stop_in_place().await.expect("clean stop");
     }
 
-    // Rotated: the new key seals, the old one still opens.
-    let server = restart(&[[0x11; 32], [0x22; 32]]).start().await;
+    for (case, keyring) in [
+        ("another key", other().with_erased(&[old_id]).unwrap()),
+        ("sealing off", Keyring::erased_only(&[old_id])),
+    ] {
+        let mut server = restart(Some(keyring)).start().await;
+        let mut client = server.client().await;
+        let again = claim(&mut client, claim_request("paid")).await;
+        assert_eq!(outcome(&again), pb::ClaimOutcome::Duplicate, "{case}");
+        let record = again.record.unwrap();
+        assert!(record.response_erased, "{case}: {record:?}");
+        assert!(record.response.is_empty());
+        let erased = server
+            .metrics
+            .render()
+            .contains("dedupd_answers_erased_total{dedup_namespace=\"default\"} 1");
+        assert!(erased, "{case}: counted\n{}", server.metrics.render());
+        server.stop_in_place().await.expect("clean stop");
+    }
+
+    // Rotated: the new key seals, the old one still opens (never
+    // destroyed, the erased declarations above were only those restarts').
+    let server = restart(Some(Keyring::from_bytes(&[old_key, new_key]).unwrap()))
+        .start()
+        .await;
     let mut client = server.client().await;
     let replay = claim(&mut client, claim_request("paid")).await;
     assert_eq!(replay.record.unwrap().response, b"receipt 17");
     commit_and_replay(&server, "paid-later", b"receipt 18").await;
     let sealed = stored_answer(server.store.as_ref(), "paid-later").await;
-    let rotated = Keyring::from_bytes(&[new_key]).unwrap();
-    assert_eq!(Keyring::key_id(&sealed).unwrap(), rotated.sealing_id());
-    assert_ne!(
-        rotated.sealing_id(),
-        Keyring::from_bytes(&[old_key]).unwrap().sealing_id()
-    );
+    assert_eq!(Keyring::key_id(&sealed).unwrap(), other().sealing_id());
+    assert_ne!(other().sealing_id(), old_id);
     server.stop().await.expect("clean stop");
 }
 
@@ -451,21 +470,23 @@ async fn every_face_opens_a_sealed_answer() {
     server.stop().await.expect("clean stop");
 }
 
-/// A namespace's own key, removed, erases that namespace's answers at once
-/// (DUPLICATE, `response_erased`, never processed again) while every other
-/// namespace's answers still replay.
+/// A namespace's own key, removed and declared destroyed, erases that
+/// namespace's answers at once (DUPLICATE, `response_erased`, never
+/// processed again) while every other namespace's answers still replay;
+/// removed without the declaration, its answers are refused (INTERNAL).
 #[tokio::test]
-async fn removing_a_namespace_key_erases_only_its_answers() {
+async fn destroying_a_namespace_key_erases_only_its_answers() {
     let default_key = [0x31; 32];
     let payments_key = [0x32; 32];
     let both = Keyring::from_bytes(&[default_key])
         .unwrap()
         .with_namespace_key_bytes("payments", &[payments_key])
         .unwrap();
-    assert_ne!(
+    let both_ids = (
         both.sealing_id_for("payments"),
-        both.sealing_id_for("orders")
+        both.sealing_id_for("orders"),
     );
+    assert_ne!(both_ids.0, both_ids.1);
     let mut server = TestServer::builder()
         .config(|config| config.keyring = Some(Arc::new(both)))
         .start()
@@ -494,22 +515,44 @@ async fn removing_a_namespace_key_erases_only_its_answers() {
         server.clock.clone(),
         server.store.test_space(),
     );
+    let payments_id = both_ids.0;
     server.stop_in_place().await.expect("clean stop");
     drop(server);
+    let replay = |namespace: &str| pb::ClaimRequest {
+        namespace: namespace.into(),
+        ..claim_request("evt-1")
+    };
 
-    let server = TestServer::builder()
-        .in_dir(dir, clock)
-        .in_space(space)
+    let mut removed = TestServer::builder()
+        .in_dir(Arc::clone(&dir), clock.clone())
+        .in_space(space.clone())
         .config(|config| {
             config.keyring = Some(Arc::new(Keyring::from_bytes(&[default_key]).unwrap()))
         })
         .start()
         .await;
+    let mut client = removed.client().await;
+    let status = client
+        .claim(replay("payments"))
+        .await
+        .expect_err("a key removed but not declared destroyed is an error");
+    assert_eq!(status.code(), tonic::Code::Internal);
+    removed.stop_in_place().await.expect("clean stop");
+    drop(removed);
+
+    let server = TestServer::builder()
+        .in_dir(dir, clock)
+        .in_space(space)
+        .config(move |config| {
+            let keyring = Keyring::from_bytes(&[default_key])
+                .unwrap()
+                .with_erased(&[payments_id])
+                .unwrap();
+            config.keyring = Some(Arc::new(keyring))
+        })
+        .start()
+        .await;
     let mut client = server.client().await;
-    let replay = |namespace: &str| pb::ClaimRequest {
-        namespace: namespace.into(),
-        ..claim_request("evt-1")
-    };
     let payments = claim(&mut client, replay("payments")).await;
     assert_eq!(outcome(&payments), pb::ClaimOutcome::Duplicate);
     let payments = payments.record.unwrap();

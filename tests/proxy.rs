@@ -1483,30 +1483,61 @@ async fn a_sealed_answer_is_replayed_and_never_stored_in_plaintext() {
     }
 }
 
-/// A committed key whose stored answer no longer opens (here: erased, the
-/// proxy restarted with another key) is answered "outcome unknown" — never
-/// forwarded again, never "store unavailable" to be retried for a day.
+/// A committed key whose stored answer no longer opens — the proxy restarted
+/// with another key, with none, or with the old key declared destroyed — is
+/// answered "outcome unknown": never forwarded again, never "store
+/// unavailable" to be retried for a day.
 #[tokio::test]
 async fn an_answer_that_no_longer_opens_is_outcome_unknown_never_forwarded() {
+    use dedupd::sealing::Keyring;
     let upstream = upstream().await;
-    let key = |byte| {
-        Some(Arc::new(
-            dedupd::sealing::Keyring::from_bytes(&[[byte; 32]]).unwrap(),
-        ))
-    };
-    let proxy = sealed_proxy(&upstream, tempfile::tempdir().unwrap(), key(1)).await;
+    let key = |byte| Keyring::from_bytes(&[[byte; 32]]).unwrap();
+    let first_id = key(1).sealing_id();
+    let proxy = sealed_proxy(
+        &upstream,
+        tempfile::tempdir().unwrap(),
+        Some(Arc::new(key(1))),
+    )
+    .await;
     let first = post(proxy.address, "/echo", "\"pay-2\"", "{\"n\":1}").await;
     assert_eq!(first.status, StatusCode::OK);
     let _ = proxy.stop.send(());
     proxy.served.await.unwrap().unwrap();
-    let proxy = sealed_proxy(&upstream, proxy._dir, key(2)).await;
-    let retry = post(proxy.address, "/echo", "\"pay-2\"", "{\"n\":1}").await;
-    assert_eq!(retry.status, StatusCode::BAD_GATEWAY, "{}", retry.body);
-    assert!(retry.body.contains("outcome-unknown"), "{}", retry.body);
-    assert!(
-        !retry.body.contains("\"n\""),
-        "never the stored bytes: {}",
-        retry.body
-    );
-    assert_eq!(upstream.calls.get("/echo"), 1, "never forwarded again");
+    let mut dir = proxy._dir;
+    for (case, keyring) in [
+        ("another key", Some(key(2))),
+        ("no keys", None),
+        ("destroyed", Some(key(2).with_erased(&[first_id]).unwrap())),
+        (
+            "sealing off, destroyed",
+            Some(Keyring::erased_only(&[first_id])),
+        ),
+    ] {
+        let proxy = sealed_proxy(&upstream, dir, keyring.map(Arc::new)).await;
+        let retry = post(proxy.address, "/echo", "\"pay-2\"", "{\"n\":1}").await;
+        assert_eq!(
+            retry.status,
+            StatusCode::BAD_GATEWAY,
+            "{case}: {}",
+            retry.body
+        );
+        assert!(
+            retry.body.contains("outcome-unknown"),
+            "{case}: {}",
+            retry.body
+        );
+        assert!(
+            !retry.body.contains("\"n\""),
+            "{case}: never the stored bytes: {}",
+            retry.body
+        );
+        assert_eq!(
+            upstream.calls.get("/echo"),
+            1,
+            "{case}: never forwarded again"
+        );
+        let _ = proxy.stop.send(());
+        proxy.served.await.unwrap().unwrap();
+        dir = proxy._dir;
+    }
 }
