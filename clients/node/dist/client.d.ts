@@ -111,7 +111,8 @@ export declare class Client {
     lookup(correlationId: string): Promise<DedupRecord | null>;
     /** Runs `handler(claim, signal)` at most once per correlation ID and
      * resolves to its result (as stored); a duplicate resolves to the first
-     * result without calling it. While the handler runs past a third of the
+     * result without calling it (rejects with ResponseErased if that result
+     * was erased). While the handler runs past a third of the
      * lease, the lease is renewed every third of it (one timer per client);
      * `signal` aborts if it is lost. If the handler throws,
      * the claim is released and the handler's error rethrown — a failing

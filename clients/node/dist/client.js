@@ -249,7 +249,8 @@ class Client {
     }
     /** Runs `handler(claim, signal)` at most once per correlation ID and
      * resolves to its result (as stored); a duplicate resolves to the first
-     * result without calling it. While the handler runs past a third of the
+     * result without calling it (rejects with ResponseErased if that result
+     * was erased). While the handler runs past a third of the
      * lease, the lease is renewed every third of it (one timer per client);
      * `signal` aborts if it is lost. If the handler throws,
      * the claim is released and the handler's error rethrown — a failing
@@ -260,8 +261,12 @@ class Client {
         const claim = this.claimResult(correlationId, answer);
         if (claim instanceof Error)
             throw claim;
-        if (claim.duplicate)
+        if (claim.duplicate) {
+            // Never an empty answer the caller would take for the real one.
+            if (claim.responseErased)
+                throw new errors_1.ResponseErased(correlationId);
             return claim.cachedResponse;
+        }
         const lease = new AbortController();
         const watch = this.renewals.watch(claim, lease);
         let result;

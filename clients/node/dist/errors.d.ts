@@ -29,6 +29,13 @@ export declare class FingerprintMismatch extends DedupError {
  * claimed, or it was released): the work must not be committed. */
 export declare class LeaseLost extends DedupError {
 }
+/** The event was processed before, but its stored answer was erased (the
+ * key that sealed it was destroyed): acknowledge the message and do not
+ * process it again; the answer itself cannot be had. */
+export declare class ResponseErased extends DedupError {
+    readonly correlationId: string;
+    constructor(correlationId: string);
+}
 /** The sidecar (or its store) could not answer after the retries: the call
  * is safe to make again after `retryAfterMs`; leave the message
  * unacknowledged so the broker redelivers it. */

@@ -1,7 +1,7 @@
 "use strict";
 // The errors every call may throw; all derive from DedupError.
 Object.defineProperty(exports, "__esModule", { value: true });
-exports.Unavailable = exports.LeaseLost = exports.FingerprintMismatch = exports.Stale = exports.InProgress = exports.DedupError = void 0;
+exports.Unavailable = exports.ResponseErased = exports.LeaseLost = exports.FingerprintMismatch = exports.Stale = exports.InProgress = exports.DedupError = void 0;
 /** Base of every error this package throws. `code` is the gRPC status
  * code when the server answered with one. */
 class DedupError extends Error {
@@ -54,6 +54,17 @@ exports.FingerprintMismatch = FingerprintMismatch;
 class LeaseLost extends DedupError {
 }
 exports.LeaseLost = LeaseLost;
+/** The event was processed before, but its stored answer was erased (the
+ * key that sealed it was destroyed): acknowledge the message and do not
+ * process it again; the answer itself cannot be had. */
+class ResponseErased extends DedupError {
+    correlationId;
+    constructor(correlationId) {
+        super(`${JSON.stringify(correlationId)} was processed, but its stored answer was erased`);
+        this.correlationId = correlationId;
+    }
+}
+exports.ResponseErased = ResponseErased;
 /** The sidecar (or its store) could not answer after the retries: the call
  * is safe to make again after `retryAfterMs`; leave the message
  * unacknowledged so the broker redelivers it. */

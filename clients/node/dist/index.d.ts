@@ -1,3 +1,3 @@
 export { Client, type Claim, type ClaimFields, type ClientOptions, type DedupRecord, type Handler, type RecordState, type Result, } from './client';
 export type { RetryOptions, TlsOptions } from './connection';
-export { DedupError, FingerprintMismatch, InProgress, LeaseLost, Stale, Unavailable } from './errors';
+export { DedupError, FingerprintMismatch, InProgress, LeaseLost, ResponseErased, Stale, Unavailable } from './errors';

@@ -11,6 +11,7 @@ import {
   FingerprintMismatch,
   InProgress,
   LeaseLost,
+  ResponseErased,
   Stale,
   Unavailable,
 } from './errors';
@@ -381,7 +382,8 @@ export class Client {
 
   /** Runs `handler(claim, signal)` at most once per correlation ID and
    * resolves to its result (as stored); a duplicate resolves to the first
-   * result without calling it. While the handler runs past a third of the
+   * result without calling it (rejects with ResponseErased if that result
+   * was erased). While the handler runs past a third of the
    * lease, the lease is renewed every third of it (one timer per client);
    * `signal` aborts if it is lost. If the handler throws,
    * the claim is released and the handler's error rethrown — a failing
@@ -391,7 +393,11 @@ export class Client {
     const answer = await this.call<RawClaimResponse>('Claim', this.claimRequest(correlationId, fields));
     const claim = this.claimResult(correlationId, answer);
     if (claim instanceof Error) throw claim;
-    if (claim.duplicate) return claim.cachedResponse;
+    if (claim.duplicate) {
+      // Never an empty answer the caller would take for the real one.
+      if (claim.responseErased) throw new ResponseErased(correlationId);
+      return claim.cachedResponse;
+    }
     const lease = new AbortController();
     const watch = this.renewals.watch(claim, lease);
     let result: Result;

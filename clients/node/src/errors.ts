@@ -51,6 +51,15 @@ export class FingerprintMismatch extends DedupError {
  * claimed, or it was released): the work must not be committed. */
 export class LeaseLost extends DedupError {}
 
+/** The event was processed before, but its stored answer was erased (the
+ * key that sealed it was destroyed): acknowledge the message and do not
+ * process it again; the answer itself cannot be had. */
+export class ResponseErased extends DedupError {
+  constructor(readonly correlationId: string) {
+    super(`${JSON.stringify(correlationId)} was processed, but its stored answer was erased`);
+  }
+}
+
 /** The sidecar (or its store) could not answer after the retries: the call
  * is safe to make again after `retryAfterMs`; leave the message
  * unacknowledged so the broker redelivers it. */

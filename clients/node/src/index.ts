@@ -15,4 +15,4 @@ export {
   type Result,
 } from './client';
 export type { RetryOptions, TlsOptions } from './connection';
-export { DedupError, FingerprintMismatch, InProgress, LeaseLost, Stale, Unavailable } from './errors';
+export { DedupError, FingerprintMismatch, InProgress, LeaseLost, ResponseErased, Stale, Unavailable } from './errors';

@@ -3,9 +3,10 @@
 
 const test = require('node:test');
 const assert = require('node:assert/strict');
+const crypto = require('node:crypto');
 const fs = require('node:fs');
 const path = require('node:path');
-const { Client, DedupError, FingerprintMismatch, InProgress, LeaseLost, Stale, Unavailable } = require('@dedupd/client');
+const { Client, DedupError, FingerprintMismatch, InProgress, LeaseLost, ResponseErased, Stale, Unavailable } = require('@dedupd/client');
 const { TOKEN, freePort, securedSidecar, sleep, startSidecar, tempDir } = require('./sidecar.cjs');
 
 test('process runs the handler once and replays its result', async (t) => {
@@ -154,7 +155,7 @@ test('a lost lease aborts the handler\'s signal and refuses the commit', async (
   assert.ok(aborted instanceof LeaseLost, String(aborted));
 });
 
-test('an answer whose sealing key was removed is a duplicate with responseErased', async (t) => {
+test('an answer whose sealing key was destroyed is a duplicate with responseErased; process rejects', async (t) => {
   const dir = tempDir(t);
   const key = (name, hex) => { const file = path.join(dir, name); fs.writeFileSync(file, hex.repeat(32)); return file; };
   const first = await startSidecar(t, dir, '127.0.0.1:0', '--encryption-key-file', key('a.key', 'aa'));
@@ -162,8 +163,15 @@ test('an answer whose sealing key was removed is a duplicate with responseErased
   assert.equal((await sealing.process('erased-1', () => 'card 4242')).toString(), 'card 4242');
   sealing.close();
   await first.stop();
-  // The key destroyed: another one only.
-  const second = await startSidecar(t, dir, '127.0.0.1:0', '--encryption-key-file', key('b.key', 'bb'));
+  // Key a removed but not declared destroyed: an error, never an empty answer.
+  const missing = await startSidecar(t, dir, '127.0.0.1:0', '--encryption-key-file', key('b.key', 'bb'));
+  const refused = new Client({ address: missing.address, retry: { attempts: 1 } });
+  await assert.rejects(refused.claimOnce('erased-1'), (error) => error instanceof DedupError && error.code === 13);
+  refused.close();
+  await missing.stop();
+  // Key a destroyed, and declared so (its ID as the sidecar derives it).
+  const id = crypto.createHash('sha256').update(Buffer.concat([Buffer.from('dedupd sealing key id v1\0'), Buffer.alloc(32, 0xaa)])).digest().subarray(0, 8).toString('hex');
+  const second = await startSidecar(t, dir, '127.0.0.1:0', '--encryption-key-file', key('b.key', 'bb'), '--erased-key-id', id);
   const dedup = new Client({ address: second.address });
   t.after(() => dedup.close());
   const claim = await dedup.claimOnce('erased-1');
@@ -173,7 +181,8 @@ test('an answer whose sealing key was removed is a duplicate with responseErased
   const record = await dedup.lookup('erased-1');
   assert.equal(record.responseErased, true);
   let called = false;
-  assert.equal((await dedup.process('erased-1', () => { called = true; })).length, 0);
+  await assert.rejects(dedup.process('erased-1', () => { called = true; }),
+    (error) => error instanceof ResponseErased && error.correlationId === 'erased-1');
   assert.equal(called, false);
 });
 

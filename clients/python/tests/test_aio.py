@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import pathlib
 
 import grpc
 import pytest
 
 import dedupd
 import dedupd.aio
-from conftest import TOKEN, Certificates, Sidecar, free_port
+from conftest import TOKEN, Certificates, Sidecar, free_port, start
 
 
 async def test_process_runs_a_coroutine_handler_once(sidecar: Sidecar) -> None:
@@ -139,3 +141,23 @@ async def test_unavailable_after_the_retries() -> None:
         with pytest.raises(dedupd.Unavailable) as failure:
             await client.lookup("nobody-home")
     assert failure.value.retry_after == 0.3
+
+
+async def test_process_raises_response_erased_for_an_erased_answer(workdir: pathlib.Path) -> None:
+    key = workdir / "a.key"
+    key.write_text("aa" * 32)
+    first = start(workdir, "127.0.0.1:0", "--encryption-key-file", str(key))
+    try:
+        async with dedupd.aio.Client(first.address) as client:
+            assert await client.process("aio-erased", lambda claim: b"token") == b"token"
+    finally:
+        first.stop()
+    # Sealing turned off, the key destroyed and declared so.
+    key_id = hashlib.sha256(b"dedupd sealing key id v1\0" + b"\xaa" * 32).digest()[:8].hex()
+    second = start(workdir, "127.0.0.1:0", "--erased-key-id", key_id)
+    try:
+        async with dedupd.aio.Client(second.address) as client:
+            with pytest.raises(dedupd.ResponseErased):
+                await client.process("aio-erased", lambda claim: b"again")
+    finally:
+        second.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import pathlib
 import threading
 import time
@@ -288,7 +289,12 @@ def test_a_call_rides_out_a_sidecar_restart(workdir: pathlib.Path) -> None:
     restarted[0].stop()
 
 
-def test_an_answer_whose_sealing_key_was_removed_is_a_duplicate_marked_erased(
+def key_id(key: bytes) -> str:
+    """A sealing key's ID as the sidecar derives and logs it."""
+    return hashlib.sha256(b"dedupd sealing key id v1\0" + key).digest()[:8].hex()
+
+
+def test_an_answer_whose_sealing_key_was_destroyed_is_a_duplicate_marked_erased(
     workdir: pathlib.Path,
 ) -> None:
     keys = {name: workdir / f"{name}.key" for name in ("a", "b")}
@@ -300,8 +306,18 @@ def test_an_answer_whose_sealing_key_was_removed_is_a_duplicate_marked_erased(
             assert client.process("erased-1", lambda claim: b"card 4242") == b"card 4242"
     finally:
         first.stop()
-    # The key destroyed: another one only.
-    second = start(workdir, "127.0.0.1:0", "--encryption-key-file", str(keys["b"]))
+    # Key a removed but not declared destroyed: an error, never an empty answer.
+    missing = start(workdir, "127.0.0.1:0", "--encryption-key-file", str(keys["b"]))
+    try:
+        with dedupd.Client(missing.address) as client:
+            with pytest.raises(dedupd.DedupError) as refused:
+                client.claim_once("erased-1")
+            assert refused.value.code == grpc.StatusCode.INTERNAL
+    finally:
+        missing.stop()
+    # Key a destroyed, and declared so.
+    erased_flags = ("--encryption-key-file", str(keys["b"]), "--erased-key-id", key_id(b"\xaa" * 32))
+    second = start(workdir, "127.0.0.1:0", *erased_flags)
     try:
         with dedupd.Client(second.address) as client:
             with client.claim("erased-1") as claim:
@@ -309,7 +325,9 @@ def test_an_answer_whose_sealing_key_was_removed_is_a_duplicate_marked_erased(
                 assert claim.response_erased
                 assert claim.cached_response == b""
             called = []
-            assert client.process("erased-1", lambda claim: called.append(1)) == b""
+            with pytest.raises(dedupd.ResponseErased) as erased:
+                client.process("erased-1", lambda claim: called.append(1))
+            assert erased.value.correlation_id == "erased-1"
             assert not called
     finally:
         second.stop()

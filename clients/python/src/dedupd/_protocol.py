@@ -65,6 +65,16 @@ class LeaseLost(DedupError):
     else claimed, or it was released): the work must not be committed."""
 
 
+class ResponseErased(DedupError):
+    """The event was processed before, but its stored answer was erased (the
+    key that sealed it was destroyed): acknowledge the message and do not
+    process it again; the answer itself cannot be had."""
+
+    def __init__(self, correlation_id: str) -> None:
+        super().__init__(f"{correlation_id!r} was processed, but its stored answer was erased")
+        self.correlation_id = correlation_id
+
+
 class Unavailable(DedupError):
     """The sidecar (or its store) could not answer, after the retries: the
     call is safe to make again; wait `retry_after` seconds first. Leave the
@@ -73,6 +83,15 @@ class Unavailable(DedupError):
     def __init__(self, message: str, code: grpc.StatusCode, retry_after: float) -> None:
         super().__init__(message, code)
         self.retry_after = retry_after
+
+
+def replayed(claim: "Claim") -> bytes:
+    """A duplicate's stored answer, for `process`; `ResponseErased` when it
+    was erased, rather than an empty answer the caller would take for the
+    real one."""
+    if claim.response_erased:
+        raise ResponseErased(claim.correlation_id)
+    return claim.cached_response
 
 
 @dataclass

@@ -164,7 +164,7 @@ class Client:
         fields = ClaimFields(event_type, payload_fingerprint, ordering_key, sequence, retention)
         claim = await self.claim_once(correlation_id, fields)
         if claim.duplicate:
-            return claim.cached_response
+            return protocol.replayed(claim)
         renewal = _Renewal(self, claim)
         try:
             result = handler(claim)

@@ -189,7 +189,7 @@ class Client:
         fields = ClaimFields(event_type, payload_fingerprint, ordering_key, sequence, retention)
         claim = self.claim_once(correlation_id, fields)
         if claim.duplicate:
-            return claim.cached_response
+            return protocol.replayed(claim)
         watch = self._renewer.watch(claim)
         try:
             record = self.commit(claim, handler(claim))
