@@ -545,6 +545,10 @@ fn record_json(record: &pb::Record) -> Value {
             value["response_hex"] = json!(hex);
         }
     }
+    if record.response_erased {
+        // Not an empty answer: the one stored was erased (its key destroyed).
+        value["response_erased"] = json!(true);
+    }
     if !record.ordering_key.is_empty() {
         value["ordering_key"] = json!(record.ordering_key);
         value["sequence"] = json!(record.sequence);

@@ -875,3 +875,44 @@ fn cli_speaks_tls_to_a_tls_sidecar() {
         .unwrap();
     assert_eq!(plain.status.code(), Some(1));
 }
+
+/// The CLI shows an erased answer as erased (`response_erased`), not as an
+/// empty answer: the sidecar sealed it with a key since destroyed and
+/// declared so with --erased-key-id.
+#[test]
+fn cli_shows_an_erased_answer_as_erased() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("a.key");
+    std::fs::write(&key, "cd".repeat(32)).unwrap();
+    let key_id = dedupd::sealing::Keyring::from_bytes(&[[0xcd; 32]])
+        .unwrap()
+        .sealing_id()
+        .to_string();
+    let data = dir.path().join("data");
+    let mut sealing = Sidecar::start_with(&data, &["--encryption-key-file", key.to_str().unwrap()]);
+    let (_, stdout, _) = cli(sealing.addr, &["claim", "card-1", "--json"]);
+    let claimed: Value = serde_json::from_str(&stdout).unwrap();
+    let token = claimed["lease_token"].as_str().unwrap().to_owned();
+    let (code, stdout, _) = cli(
+        sealing.addr,
+        &[
+            "commit",
+            "card-1",
+            "--lease-token",
+            &token,
+            "--response",
+            "4242",
+        ],
+    );
+    assert_eq!(code, 0, "{stdout}");
+    let (code, _) = common::sidecar::terminate(&mut sealing, Duration::from_secs(15));
+    assert_eq!(code, Some(0));
+    drop(sealing);
+
+    let erased = Sidecar::start_with(&data, &["--erased-key-id", &key_id]);
+    let (code, stdout, _) = cli(erased.addr, &["lookup", "card-1", "--json"]);
+    assert_eq!(code, 0, "{stdout}");
+    let looked: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(looked["record"]["response_erased"], true, "{stdout}");
+    assert_eq!(looked["record"]["response"], "", "{stdout}");
+}

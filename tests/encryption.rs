@@ -470,100 +470,121 @@ async fn every_face_opens_a_sealed_answer() {
     server.stop().await.expect("clean stop");
 }
 
+/// Commits `answer` to `id` in `namespace`.
+async fn commit_in(client: &mut Client, namespace: &str, id: &str, answer: &str) {
+    let claimed = claim(
+        client,
+        pb::ClaimRequest {
+            namespace: namespace.into(),
+            ..claim_request(id)
+        },
+    )
+    .await;
+    client
+        .commit(pb::CommitRequest {
+            namespace: namespace.into(),
+            response: answer.into(),
+            ..commit_request(id, &claimed.lease_token)
+        })
+        .await
+        .expect("commit");
+}
+
 /// A namespace's own key, removed and declared destroyed, erases that
 /// namespace's answers at once (DUPLICATE, `response_erased`, never
-/// processed again) while every other namespace's answers still replay;
-/// removed without the declaration, its answers are refused (INTERNAL).
+/// processed again; in a ClaimBatch too, beside items that still open)
+/// while every other namespace's answers still replay; removed without the
+/// declaration, its answers are refused (INTERNAL). What the default key
+/// sealed before the namespace had its own still opens, and outlives the
+/// namespace's key.
 #[tokio::test]
 async fn destroying_a_namespace_key_erases_only_its_answers() {
     let default_key = [0x31; 32];
     let payments_key = [0x32; 32];
-    let both = Keyring::from_bytes(&[default_key])
-        .unwrap()
+    let default_only = || Keyring::from_bytes(&[default_key]).unwrap();
+    let both = default_only()
         .with_namespace_key_bytes("payments", &[payments_key])
         .unwrap();
-    let both_ids = (
-        both.sealing_id_for("payments"),
-        both.sealing_id_for("orders"),
-    );
-    assert_ne!(both_ids.0, both_ids.1);
+    let payments_id = both.sealing_id_for("payments");
+    assert_ne!(payments_id, both.sealing_id_for("orders"));
+
+    // Before payments had a key of its own.
     let mut server = TestServer::builder()
-        .config(|config| config.keyring = Some(Arc::new(both)))
+        .config(move |config| config.keyring = Some(Arc::new(default_only())))
         .start()
         .await;
     let mut client = server.client().await;
-    for (namespace, answer) in [("payments", "card 4242"), ("orders", "parcel 9")] {
-        let claimed = claim(
-            &mut client,
-            pb::ClaimRequest {
-                namespace: namespace.into(),
-                ..claim_request("evt-1")
-            },
-        )
-        .await;
-        client
-            .commit(pb::CommitRequest {
-                namespace: namespace.into(),
-                response: answer.into(),
-                ..commit_request("evt-1", &claimed.lease_token)
-            })
-            .await
-            .expect("commit");
-    }
+    commit_in(&mut client, "payments", "evt-0", "card 1111").await;
     let (dir, clock, space) = (
         Arc::clone(&server.dir),
         server.clock.clone(),
         server.store.test_space(),
     );
-    let payments_id = both_ids.0;
     server.stop_in_place().await.expect("clean stop");
     drop(server);
-    let replay = |namespace: &str| pb::ClaimRequest {
+    let restart = |keyring: Keyring| {
+        TestServer::builder()
+            .in_dir(Arc::clone(&dir), clock.clone())
+            .in_space(space.clone())
+            .config(move |config| config.keyring = Some(Arc::new(keyring)))
+            .start()
+    };
+    let replay = |namespace: &str, id: &str| pb::ClaimRequest {
         namespace: namespace.into(),
-        ..claim_request("evt-1")
+        ..claim_request(id)
     };
 
-    let mut removed = TestServer::builder()
-        .in_dir(Arc::clone(&dir), clock.clone())
-        .in_space(space.clone())
-        .config(|config| {
-            config.keyring = Some(Arc::new(Keyring::from_bytes(&[default_key]).unwrap()))
-        })
-        .start()
-        .await;
+    let mut server = restart(both).await;
+    let mut client = server.client().await;
+    commit_in(&mut client, "payments", "evt-1", "card 4242").await;
+    commit_in(&mut client, "orders", "evt-1", "parcel 9").await;
+    let before = claim(&mut client, replay("payments", "evt-0")).await;
+    assert_eq!(
+        before.record.unwrap().response,
+        b"card 1111",
+        "the default key still opens"
+    );
+    server.stop_in_place().await.expect("clean stop");
+    drop(server);
+
+    let mut removed = restart(default_only()).await;
     let mut client = removed.client().await;
     let status = client
-        .claim(replay("payments"))
+        .claim(replay("payments", "evt-1"))
         .await
         .expect_err("a key removed but not declared destroyed is an error");
     assert_eq!(status.code(), tonic::Code::Internal);
     removed.stop_in_place().await.expect("clean stop");
     drop(removed);
 
-    let server = TestServer::builder()
-        .in_dir(dir, clock)
-        .in_space(space)
-        .config(move |config| {
-            let keyring = Keyring::from_bytes(&[default_key])
-                .unwrap()
-                .with_erased(&[payments_id])
-                .unwrap();
-            config.keyring = Some(Arc::new(keyring))
-        })
-        .start()
-        .await;
+    let server = restart(default_only().with_erased(&[payments_id]).unwrap()).await;
     let mut client = server.client().await;
-    let payments = claim(&mut client, replay("payments")).await;
+    let payments = claim(&mut client, replay("payments", "evt-1")).await;
     assert_eq!(outcome(&payments), pb::ClaimOutcome::Duplicate);
     let payments = payments.record.unwrap();
     assert!(
         payments.response_erased && payments.response.is_empty(),
         "{payments:?}"
     );
-    let orders = claim(&mut client, replay("orders")).await;
+    let orders = claim(&mut client, replay("orders", "evt-1")).await;
     assert_eq!(outcome(&orders), pb::ClaimOutcome::Duplicate);
     let orders = orders.record.unwrap();
     assert!(!orders.response_erased);
     assert_eq!(orders.response, b"parcel 9");
+    let batch = client
+        .claim_batch(pb::ClaimBatchRequest {
+            items: vec![replay("payments", "evt-1"), replay("payments", "evt-0")],
+        })
+        .await
+        .expect("an erased item does not fail the batch")
+        .into_inner()
+        .results;
+    let erased = batch[0].record.as_ref().unwrap();
+    assert_eq!(outcome(&batch[0]), pb::ClaimOutcome::Duplicate);
+    assert!(erased.response_erased && erased.response.is_empty());
+    assert_eq!(outcome(&batch[1]), pb::ClaimOutcome::Duplicate);
+    let kept = batch[1].record.as_ref().unwrap();
+    assert!(!kept.response_erased);
+    assert_eq!(kept.response, b"card 1111");
     server.stop().await.expect("clean stop");
 }

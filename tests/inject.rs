@@ -272,6 +272,7 @@ fn every_annotation_reaches_the_sidecar() {
         ("DEDUPD_NAMESPACE_RETENTION", "payments=30days,http=24h"),
         ("DEDUPD_DEFAULT_LEASE_TTL", "2m"),
         ("DEDUPD_SYNC", "always"),
+        ("DEDUPD_ERASED_KEY_ID", "0123456789abcdef,fedcba9876543210"),
         ("DEDUPD_OTLP_ENDPOINT", "http://$(HOST_IP):4317"),
         ("DEDUPD_OTLP_PROTOCOL", "grpc"),
         ("OTEL_SERVICE_NAME", "dedupd"),
@@ -356,6 +357,10 @@ fn an_invalid_annotation_denies_the_pod_and_says_why() {
             "dedupd.io/encryption-key-secret",
         ),
         (&[("dedupd.io/sync", "sometimes")], "always"),
+        (
+            &[("dedupd.io/erased-key-id", "not-a-key-id")],
+            "dedupd.io/erased-key-id",
+        ),
         (
             &[("dedupd.io/default-lease-ttl", "forever")],
             "dedupd.io/default-lease-ttl",

@@ -66,16 +66,18 @@ const ANNOTATION_OTLP_PROTOCOL: &str = "dedupd.io/otlp-protocol";
 
 /// Annotations that set one dedupd flag each, checked by the same parser
 /// and validation `dedupd serve` runs at start.
-const FLAG_ANNOTATIONS: [(&str, &str); 4] = [
+const FLAG_ANNOTATIONS: [(&str, &str); 5] = [
     (ANNOTATION_STORE, "store"),
     ("dedupd.io/namespace-retention", "namespace-retention"),
     ("dedupd.io/default-lease-ttl", "default-lease-ttl"),
     ("dedupd.io/sync", "sync"),
+    // Comma-separated IDs of sealing keys destroyed on purpose.
+    ("dedupd.io/erased-key-id", "erased-key-id"),
 ];
 
 /// Every annotation the injector reads; any other `dedupd.io/` one is a
 /// typo and denies the pod rather than being silently ignored.
-pub const ANNOTATIONS: [&str; 14] = [
+pub const ANNOTATIONS: [&str; 15] = [
     LABEL,
     ANNOTATION_STORE,
     ANNOTATION_STORE_URL_SECRET,
@@ -83,6 +85,7 @@ pub const ANNOTATIONS: [&str; 14] = [
     "dedupd.io/namespace-retention",
     "dedupd.io/default-lease-ttl",
     "dedupd.io/sync",
+    "dedupd.io/erased-key-id",
     ANNOTATION_OTLP_ENDPOINT,
     ANNOTATION_OTLP_PROTOCOL,
     ANNOTATION_CPU,
