@@ -330,6 +330,13 @@ pub struct ServeArgs {
     /// configured is an error, never an empty answer.
     #[arg(long, env = "DEDUPD_ERASED_KEY_ID", value_delimiter = ',')]
     pub erased_key_id: Vec<KeyId>,
+    /// Hand every store a keyed hash (HMAC-SHA-256) of each correlation ID
+    /// instead of the ID, for IDs that are personal data: a file holding a
+    /// 32-byte key of its own (as for --encryption-key-file). The key must
+    /// never change: another key reaches no stored record, and every event
+    /// within retention would be processed again.
+    #[arg(long, env = "DEDUPD_HASH_CORRELATION_IDS", value_name = "KEY_FILE")]
+    pub hash_correlation_ids: Option<PathBuf>,
     /// The HTTP idempotency proxy (off unless --http-proxy-listen is set).
     #[command(flatten)]
     pub http_proxy: HttpProxyArgs,
@@ -872,6 +879,8 @@ pub struct Settings {
     /// The key files answers are sealed and opened with, and the keys
     /// declared destroyed (none: stored in plaintext).
     pub key_files: KeyFiles,
+    /// The key correlation IDs are hashed with before they reach the store.
+    pub hash_correlation_ids: Option<PathBuf>,
     /// Log format.
     pub log_format: LogFormat,
     /// Log filter.
@@ -1231,6 +1240,7 @@ impl ServeArgs {
                 namespace_opening: self.namespace_decryption_key.clone(),
                 erased: self.erased_key_id.clone(),
             },
+            hash_correlation_ids: self.hash_correlation_ids.clone(),
             log_format: self.log_format,
             log_filter,
             worker_threads: self.worker_threads,

@@ -3,7 +3,7 @@
 //! span with the decision (`telemetry`). Handlers for every face (gRPC, the
 //! HTTP proxy) call only this.
 
-use std::{fmt, future::Future, sync::Arc};
+use std::{borrow::Cow, fmt, future::Future, sync::Arc};
 
 use tracing::Instrument;
 
@@ -15,6 +15,7 @@ use crate::{
         RenewRequest,
     },
     error::{Error, FieldViolation},
+    hashed_ids::IdHasher,
     machine,
     metrics::Metrics,
     sealing::{self, Binding, Keyring, Unsealable},
@@ -29,6 +30,9 @@ pub struct Engine<S> {
     metrics: Arc<Metrics>,
     /// Seals every answer before the store sees it ([`crate::sealing`]).
     keyring: Option<Arc<Keyring>>,
+    /// Hashes every correlation ID before the store sees it
+    /// ([`crate::hashed_ids`]).
+    ids: Option<Arc<IdHasher>>,
 }
 
 impl<S> fmt::Debug for Engine<S> {
@@ -36,6 +40,7 @@ impl<S> fmt::Debug for Engine<S> {
         f.debug_struct("Engine")
             .field("clock", &self.clock)
             .field("keyring", &self.keyring)
+            .field("hashed_ids", &self.ids.is_some())
             .finish()
     }
 }
@@ -47,6 +52,7 @@ impl<S> Clone for Engine<S> {
             clock: Arc::clone(&self.clock),
             metrics: Arc::clone(&self.metrics),
             keyring: self.keyring.clone(),
+            ids: self.ids.clone(),
         }
     }
 }
@@ -59,6 +65,7 @@ impl<S: Store> Engine<S> {
             clock,
             metrics: Arc::new(Metrics::new()),
             keyring: None,
+            ids: None,
         }
     }
 
@@ -67,6 +74,21 @@ impl<S: Store> Engine<S> {
     /// plaintext from then on).
     pub fn with_keyring(self, keyring: Option<Arc<Keyring>>) -> Self {
         Engine { keyring, ..self }
+    }
+
+    /// The same engine, handing the store a keyed hash of each correlation
+    /// ID instead of the ID.
+    pub fn with_hashed_ids(self, ids: Option<Arc<IdHasher>>) -> Self {
+        Engine { ids, ..self }
+    }
+
+    /// The key the store holds `key` under: `key` itself, or its ID hashed.
+    /// Everything else — sealing's binding, messages, metrics — uses `key`.
+    fn stored_key<'k>(&self, key: &'k Key) -> Cow<'k, Key> {
+        match &self.ids {
+            Some(ids) => Cow::Owned(ids.stored(key)),
+            None => Cow::Borrowed(key),
+        }
     }
 
     /// The same engine, counting its outcomes in `metrics`.
@@ -217,7 +239,7 @@ impl<S: Store> Engine<S> {
         let mut at = self.decision_time()?;
         let outcome = self
             .store
-            .update(&request.key, |current, attempt| {
+            .update(&self.stored_key(&request.key), |current, attempt| {
                 let now = self.attempt_time(&mut at, &attempt)?;
                 Ok(machine::renew(current, request, now))
             })
@@ -236,7 +258,7 @@ impl<S: Store> Engine<S> {
         let now = self.decision_time()?;
         let record = self
             .store
-            .get(key)
+            .get(&self.stored_key(key))
             .instrument(telemetry::store_span(self.store.kind()))
             .await?;
         // What we read may be someone's not yet durable write.
@@ -253,7 +275,7 @@ impl<S: Store> Engine<S> {
         let mut at = self.decision_time()?;
         let existed = self
             .store
-            .update(key, |current, attempt| {
+            .update(&self.stored_key(key), |current, attempt| {
                 let now = self.attempt_time(&mut at, &attempt)?;
                 Ok(machine::forget(current, now))
             })
@@ -279,7 +301,7 @@ impl<S: Store> Engine<S> {
         let lease_token = LeaseToken::random();
         let outcome = self
             .store
-            .update(&request.key, |current, attempt| {
+            .update(&self.stored_key(&request.key), |current, attempt| {
                 let now = self.attempt_time(&mut at, &attempt)?;
                 machine::claim(
                     current,
@@ -335,7 +357,7 @@ impl<S: Store> Engine<S> {
         });
         let outcome = self
             .store
-            .update(&request.key, |current, attempt| {
+            .update(&self.stored_key(&request.key), |current, attempt| {
                 let now = self.attempt_time(&mut at, &attempt)?;
                 Ok(machine::commit(
                     current,
@@ -428,7 +450,7 @@ impl<S: Store> Engine<S> {
         let mut at = self.decision_time()?;
         let outcome = self
             .store
-            .update(&request.key, |current, attempt| {
+            .update(&self.stored_key(&request.key), |current, attempt| {
                 let now = self.attempt_time(&mut at, &attempt)?;
                 Ok(machine::release(current, request, now))
             })

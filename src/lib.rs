@@ -51,6 +51,7 @@ pub mod domain;
 pub mod engine;
 mod error;
 mod guard;
+pub mod hashed_ids;
 pub mod inject;
 mod listen;
 pub mod machine;

@@ -12,6 +12,7 @@ use dedupd::{
     command::{Cli, Command},
     config::{LogFormat, ServeArgs, Settings, SharedBackend, StoreSettings},
     credentials::{read_pem_file, TlsFiles},
+    hashed_ids::IdHasher,
     inject::{InjectArgs, InjectMetrics, ReloadingCert},
     sealing::Keyring,
     store::{
@@ -227,6 +228,9 @@ fn serve(args: &ServeArgs) -> ExitCode {
         ),
         "memory budget"
     );
+    if server.hashed_ids.is_some() {
+        tracing::info!("correlation IDs are stored as keyed hashes");
+    }
     if let Some(keyring) = &server.keyring {
         // Each key's ID: what --erased-key-id takes once a key is destroyed.
         tracing::info!(keys = %keyring.describe(), "sealing keys");
@@ -371,6 +375,12 @@ fn configure(args: &ServeArgs) -> Result<(Settings, StoreSettings, ServerConfig)
         clock: Arc::new(SystemClock),
         ready_file: settings.ready_file.clone(),
         keyring: load_keyring(&settings)?,
+        hashed_ids: settings
+            .hash_correlation_ids
+            .as_deref()
+            .map(IdHasher::load)
+            .transpose()?
+            .map(Arc::new),
         connections: settings.connections,
         ..ServerConfig::default()
     };

@@ -553,7 +553,7 @@ fn read_keys(flag: &str, paths: &[PathBuf]) -> Result<Vec<SealingKey>, String> {
 
 /// A key file's text: 32 bytes as base64 (standard or URL-safe, padded or
 /// not) or as 64 hexadecimal digits, surrounding whitespace ignored.
-fn parse_key(text: &str) -> Result<[u8; KEY_BYTES], String> {
+pub(crate) fn parse_key(text: &str) -> Result<[u8; KEY_BYTES], String> {
     let text = text.trim();
     let bytes = if text.len() == 2 * KEY_BYTES && text.bytes().all(|b| b.is_ascii_hexdigit()) {
         (0..KEY_BYTES)

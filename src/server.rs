@@ -27,6 +27,7 @@ use crate::{
     engine::Engine,
     error::Error,
     guard::{self, GuardConfig},
+    hashed_ids::IdHasher,
     listen::{accept_capped, Listener},
     metrics::Metrics,
     ops,
@@ -65,6 +66,8 @@ pub struct ServerConfig {
     pub ready_file: Option<PathBuf>,
     /// Seals every stored answer, when set.
     pub keyring: Option<Arc<Keyring>>,
+    /// Hashes every stored correlation ID, when set.
+    pub hashed_ids: Option<Arc<IdHasher>>,
     /// What one connection may hold, and how many there may be.
     pub connections: ConnectionLimits,
 }
@@ -110,6 +113,7 @@ impl Default for ServerConfig {
             clock: Arc::new(SystemClock),
             ready_file: None,
             keyring: None,
+            hashed_ids: None,
             connections: ConnectionLimits::default(),
         }
     }
@@ -162,7 +166,8 @@ pub async fn run<S: Store>(
     }
     let engine = Engine::new(Arc::clone(&store), Arc::clone(&config.clock))
         .with_metrics(Arc::clone(&config.metrics))
-        .with_keyring(config.keyring.clone());
+        .with_keyring(config.keyring.clone())
+        .with_hashed_ids(config.hashed_ids.clone());
     let limits = Arc::new(config.limits.clone());
     let (health, health_service) = tonic_health::server::health_reporter();
     // SERVING only once calls can be answered: a shared store's schema in

@@ -500,6 +500,11 @@ fn bad_configuration_exits_64_with_one_line_before_touching_anything() {
             "which --erased-key-id declares destroyed",
         ),
         (
+            vec!["--hash-correlation-ids", &not_a_key],
+            vec![],
+            "--hash-correlation-ids",
+        ),
+        (
             vec!["--decryption-key-file", &no_keys],
             vec![],
             "--decryption-key-file names no key file",

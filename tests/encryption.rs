@@ -12,6 +12,7 @@ use std::sync::Arc;
 use common::{postgres, redis, *};
 use dedupd::{
     domain::Key,
+    hashed_ids::IdHasher,
     machine::Change,
     proto::v1 as pb,
     sealing::Keyring,
@@ -119,10 +120,14 @@ fn value_holds(value: &::redis::Value, needle: &[u8]) -> bool {
     }
 }
 
-/// The store's raw bytes hold the answer exactly when it is not sealed:
-/// the check that finds nothing with a key finds the marker without one.
-async fn raw_bytes_show_the_answer(space: Option<Space>, sealed: bool) {
-    let builder = TestServer::builder().config(|config| config.keyring = sealed.then(keyring));
+/// The store's raw bytes hold the answer and the correlation ID exactly
+/// when they are not protected (answers sealed, IDs hashed): the check that
+/// finds nothing with the keys finds both markers without them.
+async fn raw_bytes_show_the_answer(space: Option<Space>, protected: bool) {
+    let builder = TestServer::builder().config(move |config| {
+        config.keyring = protected.then(keyring);
+        config.hashed_ids = protected.then(|| Arc::new(IdHasher::from_bytes(&[0x6b; 32])));
+    });
     match space {
         // sled itself, whichever store the suite runs on.
         None => {
@@ -132,11 +137,11 @@ async fn raw_bytes_show_the_answer(space: Option<Space>, sealed: bool) {
                 .in_dir(dir, dedupd::clock::ManualClock::new(START))
                 .start_with_store(store)
                 .await;
-            look_for_the_answer(server, None, sealed).await;
+            look_for_the_answer(server, None, protected).await;
         }
         Some(space) => {
             let server = builder.in_space(Some(space.clone())).start().await;
-            look_for_the_answer(server, Some(space), sealed).await;
+            look_for_the_answer(server, Some(space), protected).await;
         }
     }
 }
@@ -144,41 +149,66 @@ async fn raw_bytes_show_the_answer(space: Option<Space>, sealed: bool) {
 async fn look_for_the_answer<S: Store + TestSpace>(
     server: TestServer<S>,
     space: Option<Space>,
-    sealed: bool,
+    protected: bool,
 ) {
     let answer = marker();
-    commit_and_replay(
-        &server,
-        &format!("order-{}", uuid_like()),
-        answer.as_bytes(),
-    )
-    .await;
-    // The shared store's rows and values, before stopping removes them.
-    let mut found = match &space {
-        Some(Space::Postgres(schema)) => postgres_rows_hold(schema, &answer).await,
-        Some(Space::Redis(prefix)) => redis_values_hold(prefix, answer.as_bytes()).await,
-        None => false,
-    };
+    // An ID that is personal data, and unique to this run.
+    let person = format!("{}@example.com", uuid_like());
+    commit_and_replay(&server, &person, answer.as_bytes()).await;
+    // Lookup finds it by the ID the caller knows, hashed or not.
+    let mut client = server.client().await;
+    let looked = client
+        .lookup(pb::LookupRequest {
+            correlation_id: person.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("lookup")
+        .into_inner();
+    let record = looked.record.expect("found by its ID");
+    assert_eq!(
+        record.correlation_id, person,
+        "the caller's ID, never the hash"
+    );
+    assert_eq!(record.response, answer.as_bytes());
+    // The shared store's rows, values and key names, before stopping
+    // removes them.
+    let mut found = [false; 2];
+    for (needle, found) in [answer.as_str(), person.as_str()]
+        .into_iter()
+        .zip(&mut found)
+    {
+        *found = match &space {
+            Some(Space::Postgres(schema)) => postgres_rows_hold(schema, needle).await,
+            Some(Space::Redis(prefix)) => {
+                redis_values_hold(prefix, needle.as_bytes()).await
+                    || redis::keys(prefix)
+                        .await
+                        .iter()
+                        .any(|key| key.contains(needle))
+            }
+            None => false,
+        };
+    }
     // Then every file: sled's, or the shared store's local tier.
     let dir = Arc::clone(&server.dir);
     server.stop().await.expect("clean stop");
-    found |= files_hold(dir.path(), answer.as_bytes());
+    found[0] |= files_hold(dir.path(), answer.as_bytes());
+    found[1] |= files_hold(dir.path(), person.as_bytes());
     assert_eq!(
-        found,
-        !sealed,
-        "sealed: {sealed}; the answer was {} in the store's raw bytes",
-        if found { "found" } else { "not found" }
+        found, [!protected; 2],
+        "protected: {protected}; [answer, correlation ID] found in the store's raw bytes"
     );
 }
 
 #[tokio::test]
-async fn sled_files_hold_no_sealed_answer() {
+async fn sled_files_hold_no_sealed_answer_nor_hashed_id() {
     raw_bytes_show_the_answer(None, false).await;
     raw_bytes_show_the_answer(None, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_rows_hold_no_sealed_answer() {
+async fn postgres_rows_hold_no_sealed_answer_nor_hashed_id() {
     if !postgres::available() {
         return;
     }
@@ -187,7 +217,7 @@ async fn postgres_rows_hold_no_sealed_answer() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_values_hold_no_sealed_answer() {
+async fn redis_values_hold_no_sealed_answer_nor_hashed_id() {
     if !redis::available() {
         return;
     }
