@@ -19,7 +19,7 @@ use crate::{
     machine,
     metrics::Metrics,
     sealing::{self, Binding, Keyring, Unsealable},
-    store::{Attempt, Store},
+    store::{Attempt, ScanCursor, Store},
     telemetry,
 };
 
@@ -285,6 +285,76 @@ impl<S: Store> Engine<S> {
         Ok(existed)
     }
 
+    /// One page of a rekey pass: every committed answer among about
+    /// `limit` stored records from `cursor` on that is sealed with a key
+    /// other than its namespace's sealing key is opened and sealed anew with
+    /// that key, by compare-and-swap (a record changed meanwhile is left as
+    /// it is). Once a pass is through, no live answer is under an old key,
+    /// and the old keys can be removed. Answers that cannot be opened are
+    /// counted, not changed.
+    pub async fn rekey(&self, cursor: &ScanCursor, limit: usize) -> Result<RekeyPage, Error> {
+        let Some(keyring) = self.keyring.as_ref().filter(|keyring| keyring.seals()) else {
+            return Err(Error::FailedPrecondition(
+                "rekey needs a sealing key (--encryption-key-file)".into(),
+            ));
+        };
+        let now = self.decision_time()?;
+        let scanned = self
+            .store
+            .scan(cursor, limit)
+            .instrument(telemetry::store_span(self.store.kind()))
+            .await?;
+        let mut page = RekeyPage {
+            examined: scanned.records.len() as u64,
+            next: scanned.next,
+            ..RekeyPage::default()
+        };
+        for (stored_key, record) in &scanned.records {
+            // Keys as the store holds them: a sealed answer is bound to
+            // those (see `commit_unsynced`), hashed IDs included.
+            let answered = machine::live(Some(record), now)
+                .is_some_and(|record| record.state == RecordState::Committed);
+            if !answered || !sealing::looks_sealed(&record.response) {
+                continue;
+            }
+            let current = keyring.sealing_id_for(stored_key.namespace());
+            if Keyring::key_id(&record.response).is_ok_and(|id| id == current) {
+                page.current += 1;
+                continue;
+            }
+            let binding = Binding {
+                key: stored_key,
+                lease_token: record.lease_token,
+            };
+            let answer = match keyring.open(&binding, &record.response) {
+                Ok(answer) => answer,
+                Err(Unsealable::Erased(_)) => {
+                    page.erased += 1;
+                    continue;
+                }
+                Err(problem) => {
+                    tracing::warn!(key = %stored_key, %problem, "rekey leaves an answer it cannot open");
+                    page.unreadable += 1;
+                    continue;
+                }
+            };
+            let resealed = keyring.seal(&binding, &answer);
+            let replaced = self
+                .store
+                .update(stored_key, |current, _| {
+                    Ok(machine::reseal(current, record, &resealed))
+                })
+                .await?;
+            if replaced {
+                page.resealed += 1;
+            } else {
+                page.current += 1;
+            }
+        }
+        self.wait_durable().await?;
+        Ok(page)
+    }
+
     async fn claim_unsynced(&self, request: &ClaimRequest) -> Result<ClaimOutcome, Error> {
         let mut at = self.decision_time()?;
         let highest_committed_sequence = match &request.ordering {
@@ -347,7 +417,9 @@ impl<S: Store> Engine<S> {
         let sealed = sealer.map(|keyring| CommitRequest {
             response: keyring.seal(
                 &Binding {
-                    key: &request.key,
+                    // The key the store holds it under (its ID hashed, when
+                    // IDs are): what a pass over the store can re-seal.
+                    key: &self.stored_key(&request.key),
                     lease_token: request.lease_token,
                 },
                 &request.response,
@@ -414,8 +486,9 @@ impl<S: Store> Engine<S> {
             // Sealing is off and this answer was stored as it is.
             return Ok(record);
         }
+        let stored_key = self.stored_key(key);
         let binding = Binding {
-            key,
+            key: &stored_key,
             lease_token: record.lease_token,
         };
         let opened = match &self.keyring {
@@ -437,6 +510,9 @@ impl<S: Store> Engine<S> {
                     ..record
                 })
             }
+            Err(problem @ Unsealable::UnknownKey(_)) => Err(Error::KeyNotConfigured(format!(
+                "the stored answer of {key} {problem}"
+            ))),
             Err(problem) => Err(Error::Corrupt(format!(
                 "the stored answer of {key} {problem}"
             ))),
@@ -477,6 +553,24 @@ impl<S: Store> Engine<S> {
             })
             .await
     }
+}
+
+/// What one page of a rekey pass did ([`Engine::rekey`]).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct RekeyPage {
+    /// Records looked at.
+    pub examined: u64,
+    /// Answers sealed anew with their namespace's sealing key.
+    pub resealed: u64,
+    /// Answers already under it (or changed by a call meanwhile).
+    pub current: u64,
+    /// Answers under a key declared destroyed: they stay erased.
+    pub erased: u64,
+    /// Answers that would not open (a key not configured, altered): left
+    /// as they are, each logged.
+    pub unreadable: u64,
+    /// Where the next page starts; `None` once the pass is through.
+    pub next: Option<ScanCursor>,
 }
 
 /// A request that a batch applies without waiting for durability.

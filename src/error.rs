@@ -65,6 +65,17 @@ pub enum Error {
     /// A stored record could not be decoded.
     #[error("corrupt record: {0}")]
     Corrupt(String),
+    /// A stored answer is sealed with a key this sidecar does not have
+    /// (not mounted yet, removed too early, a wrong Secret): the record is
+    /// sound, the configuration is not. Answered UNAVAILABLE naming the key
+    /// (an ID, not a secret), so a consumer redelivers later and the proxy
+    /// does not forward; not retried inside the call.
+    #[error("{0}")]
+    KeyNotConfigured(String),
+    /// The call cannot be made in this configuration (rekey without a
+    /// sealing key).
+    #[error("{0}")]
+    FailedPrecondition(String),
 }
 
 fn describe(violations: &[FieldViolation]) -> String {
@@ -103,7 +114,9 @@ impl Error {
             Error::InvalidArgument(_)
             | Error::LeaseLost { .. }
             | Error::Server(_)
-            | Error::Corrupt(_) => false,
+            | Error::Corrupt(_)
+            | Error::KeyNotConfigured(_)
+            | Error::FailedPrecondition(_) => false,
         }
     }
 }
@@ -148,6 +161,11 @@ impl From<Error> for Status {
                 tracing::warn!(%reason, "store unavailable");
                 Status::unavailable(format!("store unavailable: {reason}"))
             }
+            Error::KeyNotConfigured(reason) => {
+                tracing::warn!(%reason, "a stored answer's key is not configured");
+                Status::unavailable(reason)
+            }
+            Error::FailedPrecondition(reason) => Status::failed_precondition(reason),
             error @ (Error::Io(_) | Error::Store(_) | Error::Server(_) | Error::Corrupt(_)) => {
                 tracing::error!(%error, "internal error");
                 Status::internal("internal error (logged by the sidecar)")

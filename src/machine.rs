@@ -254,6 +254,28 @@ pub fn forget(current: Option<&Record>, now: impl Into<Now>) -> (Change, bool) {
     (change, existed)
 }
 
+/// Rekey (admin): `read`'s answer, sealed anew, in place of its old
+/// sealing — only while the record is still the committed one that was
+/// read (same claim, same stored answer), so a record claimed, committed,
+/// forgotten or re-sealed meanwhile is left as it is. Reports whether it
+/// was replaced.
+pub fn reseal(current: Option<&Record>, read: &Record, resealed: &[u8]) -> (Change, bool) {
+    match current {
+        Some(current)
+            if current.state == RecordState::Committed
+                && current.lease_token == read.lease_token
+                && current.response == read.response =>
+        {
+            let replaced = Record {
+                response: resealed.to_vec(),
+                ..current.clone()
+            };
+            (Change::Put(replaced), true)
+        }
+        _ => (Change::Keep, false),
+    }
+}
+
 /// The ordering mark after `record` was committed: a commit raises the
 /// highest committed sequence of its ordering scope (never lowers it) and
 /// keeps the mark at least as long as the record. `None` means no change.

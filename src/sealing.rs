@@ -118,8 +118,9 @@ pub enum Unsealable {
     /// wrong or missing Secret, a key removed too early, or an altered key
     /// ID. An error, so a misconfiguration never reads as empty answers.
     #[error(
-        "was sealed with key {0}, which is not configured (mount it with --encryption-key-file \
-         or --decryption-key-file, or declare it destroyed with --erased-key-id {0})"
+        "was sealed with key {0}, which this sidecar does not have: mount it \
+         (--encryption-key-file or --decryption-key-file); only if it was destroyed on \
+         purpose, declare it so (--erased-key-id {0})"
     )]
     UnknownKey(KeyId),
     /// Sealed with a key declared destroyed (`--erased-key-id`): the answer

@@ -268,9 +268,15 @@ async fn an_altered_or_moved_answer_is_refused() {
     commit_and_replay(&server, "moved-to", b"token for bob").await;
     let sealed = stored_answer(server.store.as_ref(), "flipped").await;
 
-    // The magic, both ends of the key ID (another key: not configured, not
-    // declared erased), the nonce, the ciphertext and the tag.
+    // The magic, both ends of the key ID (another key: one this sidecar
+    // does not have, UNAVAILABLE like a key not mounted yet), the nonce,
+    // the ciphertext and the tag.
     for index in [0, 2, 4, 11, 12, sealed.len() / 2, sealed.len() - 1] {
+        let refused = if (4..12).contains(&index) {
+            tonic::Code::Unavailable
+        } else {
+            tonic::Code::Internal
+        };
         tamper(server.store.as_ref(), "flipped", |answer| {
             *answer = sealed.clone();
             answer[index] ^= 0x20;
@@ -280,11 +286,7 @@ async fn an_altered_or_moved_answer_is_refused() {
             .claim(claim_request("flipped"))
             .await
             .expect_err("an altered answer is refused");
-        assert_eq!(
-            status.code(),
-            tonic::Code::Internal,
-            "byte {index}: {status:?}"
-        );
+        assert_eq!(status.code(), refused, "byte {index}: {status:?}");
         assert!(!status.message().contains("refund"), "{status:?}");
         let looked = client
             .lookup(pb::LookupRequest {
@@ -293,7 +295,7 @@ async fn an_altered_or_moved_answer_is_refused() {
             })
             .await
             .expect_err("lookup refuses it too");
-        assert_eq!(looked.code(), tonic::Code::Internal);
+        assert_eq!(looked.code(), refused);
     }
 
     let alice = stored_answer(server.store.as_ref(), "moved-from").await;
@@ -323,7 +325,7 @@ async fn an_altered_or_moved_answer_is_refused() {
 
 /// Sealed answers survive a restart with the keys. Without them (no keys,
 /// or another key: a wrong Secret, a key removed too early) each read is
-/// INTERNAL, naming the key — never an empty answer, never replayed as its
+/// UNAVAILABLE, naming the key — never an empty answer, never replayed as its
 /// ciphertext, never claimed afresh — until the key is back. Only a key
 /// declared destroyed (`--erased-key-id`) makes them erased: DUPLICATE, no
 /// response, `response_erased`, counted. An added key seals new answers
@@ -361,7 +363,13 @@ async fn without_its_key_a_sealed_answer_is_refused_unless_declared_erased() {
             .claim(claim_request("paid"))
             .await
             .expect_err("an answer whose key is missing is refused");
-        assert_eq!(status.code(), tonic::Code::Internal, "{case}: {status:?}");
+        // UNAVAILABLE naming the key: redeliver once it is mounted.
+        assert_eq!(
+            status.code(),
+            tonic::Code::Unavailable,
+            "{case}: {status:?}"
+        );
+        assert!(status.message().contains(&old_id.to_string()), "{status:?}");
         assert!(!status.message().contains("receipt"), "{case}: {status:?}");
         server.stop_in_place().await.expect("clean stop");
     }
@@ -524,7 +532,7 @@ async fn commit_in(client: &mut Client, namespace: &str, id: &str, answer: &str)
 /// namespace's answers at once (DUPLICATE, `response_erased`, never
 /// processed again; in a ClaimBatch too, beside items that still open)
 /// while every other namespace's answers still replay; removed without the
-/// declaration, its answers are refused (INTERNAL). What the default key
+/// declaration, its answers are refused (UNAVAILABLE). What the default key
 /// sealed before the namespace had its own still opens, and outlives the
 /// namespace's key.
 #[tokio::test]
@@ -583,7 +591,7 @@ async fn destroying_a_namespace_key_erases_only_its_answers() {
         .claim(replay("payments", "evt-1"))
         .await
         .expect_err("a key removed but not declared destroyed is an error");
-    assert_eq!(status.code(), tonic::Code::Internal);
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
     removed.stop_in_place().await.expect("clean stop");
     drop(removed);
 

@@ -206,9 +206,16 @@ impl<S: Store> Proxy<S> {
                     self.release_orphan(claim);
                     return Answer::rejected(Rejection::StoreUnavailable, protocol);
                 }
+                // The key is committed and its answer sealed with a key this
+                // proxy does not have (not mounted yet, removed too early):
+                // retry later, never forwarded. Nothing was claimed (the
+                // claim found the committed record), so nothing to give back.
+                Err(ClaimFailure::KeyMissing) => {
+                    return Answer::rejected(Rejection::StoreUnavailable, protocol);
+                }
                 // The key is committed but its stored answer does not open
-                // (altered, or sealed with a key no longer given): the
-                // request was sent once, so it is never forwarded again.
+                // (altered, moved from another record): the request was
+                // sent once, so it is never forwarded again.
                 Err(ClaimFailure::Unreadable) => {
                     return Answer::rejected(
                         Rejection::OutcomeUnknown("its stored answer cannot be read back".into()),
@@ -287,6 +294,10 @@ impl<S: Store> Proxy<S> {
                 Err(Error::Corrupt(problem)) => {
                     tracing::error!(%problem, "a committed key's answer cannot be read; answered outcome unknown");
                     return Err(ClaimFailure::Unreadable);
+                }
+                Err(Error::KeyNotConfigured(problem)) => {
+                    tracing::warn!(%problem, "a committed key's answer is sealed with a key not configured; not forwarded");
+                    return Err(ClaimFailure::KeyMissing);
                 }
                 Err(error) => {
                     tracing::warn!(%error, "the store did not answer; the request was not forwarded");
@@ -707,4 +718,7 @@ pub(super) enum ClaimFailure {
     Unavailable,
     /// The key is committed and its stored answer does not open.
     Unreadable,
+    /// The key is committed and its stored answer is sealed with a key
+    /// that is not configured (nothing was applied).
+    KeyMissing,
 }

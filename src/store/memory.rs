@@ -7,7 +7,7 @@ use std::{
     sync::{Mutex, MutexGuard},
 };
 
-use super::{Attempt, ReapReport, Store, StoreStats};
+use super::{Attempt, ReapReport, ScanCursor, ScanPage, Store, StoreStats};
 use crate::{
     clock::UnixMillis,
     domain::{FencingToken, Key, OrderingScope, Record},
@@ -42,6 +42,23 @@ impl MemoryStore {
 impl Store for MemoryStore {
     fn kind(&self) -> &'static str {
         "memory"
+    }
+
+    async fn scan(&self, cursor: &ScanCursor, limit: usize) -> Result<ScanPage, Error> {
+        let state = self.lock();
+        let after = Key::from_bytes(&cursor.0);
+        let limit = limit.max(1);
+        let records: Vec<(Key, Record)> = state
+            .records
+            .iter()
+            .filter(|(key, _)| after.as_ref().is_none_or(|after| *key > after))
+            .take(limit)
+            .map(|(key, record)| (key.clone(), record.clone()))
+            .collect();
+        let next = (records.len() == limit)
+            .then(|| records.last().map(|(key, _)| ScanCursor(key.to_bytes())))
+            .flatten();
+        Ok(ScanPage { records, next })
     }
 
     async fn update<T, F>(&self, key: &Key, mut apply: F) -> Result<T, Error>

@@ -109,6 +109,21 @@ pub struct StoreStats {
     pub local_tier_on: Option<bool>,
 }
 
+/// Where a pass over every record goes on from: opaque to the caller, as
+/// the store that gave it wrote it (empty: the start).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ScanCursor(pub Vec<u8>);
+
+/// One page of a pass over every record ([`Store::scan`]).
+#[derive(Debug, Default)]
+pub struct ScanPage {
+    /// Records under their keys, expired ones included (the caller applies
+    /// expiry).
+    pub records: Vec<(Key, Record)>,
+    /// Where the next page starts; `None` once the pass is through.
+    pub next: Option<ScanCursor>,
+}
+
 /// A place to keep records. Every method is safe to call concurrently.
 pub trait Store: Send + Sync + 'static {
     /// What the store is, for traces (`db.system.name`): `sled`,
@@ -166,6 +181,20 @@ pub trait Store: Send + Sync + 'static {
     /// space. Unlike [`Store::health`] this passes by itself.
     fn writable(&self) -> Result<(), Error> {
         self.health()
+    }
+
+    /// About `limit` records from `cursor` on, for a pass over every record
+    /// (re-sealing answers under a new key). A record written or removed
+    /// during the pass may or may not be in it; every record there through
+    /// the whole pass is in it once (on a Redis Cluster whose slots move
+    /// meanwhile, at least once). Stores that cannot be scanned say so.
+    fn scan(
+        &self,
+        cursor: &ScanCursor,
+        limit: usize,
+    ) -> impl Future<Output = Result<ScanPage, Error>> + Send {
+        let _ = (cursor, limit);
+        async { Err(Error::Store("this store cannot be scanned".into())) }
     }
 
     /// Size figures for metrics (may be cached for a while).

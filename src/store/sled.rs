@@ -66,7 +66,7 @@ use super::{
     stall::{busy, watch_syncs, Busy, StallWatch, PROBE_AFTER},
     wal::sync_directory,
     wal::{self, Appender, Tree},
-    Attempt, ReapReport, Store, StoreObserver, StoreStats,
+    Attempt, ReapReport, ScanCursor, ScanPage, Store, StoreObserver, StoreStats,
 };
 use crate::{
     clock::UnixMillis,
@@ -1163,6 +1163,32 @@ impl Store for SledStore {
             .as_deref()
             .map(decode_record)
             .transpose()
+    }
+
+    async fn scan(&self, cursor: &ScanCursor, limit: usize) -> Result<ScanPage, Error> {
+        let _busy = self.inner.enter()?;
+        let records = &self.inner.records;
+        let range = if cursor.0.is_empty() {
+            records.range::<&[u8], _>(..)
+        } else {
+            records.range::<&[u8], _>((
+                std::ops::Bound::Excluded(&cursor.0[..]),
+                std::ops::Bound::Unbounded,
+            ))
+        };
+        let mut page = ScanPage::default();
+        let mut last = None;
+        for entry in range.take(limit.max(1)) {
+            let (key_bytes, value) = entry?;
+            let key = Key::from_bytes(&key_bytes)
+                .ok_or_else(|| Error::Corrupt(format!("a record key {key_bytes:?}")))?;
+            page.records.push((key, decode_record(&value)?));
+            last = Some(key_bytes.to_vec());
+        }
+        if page.records.len() >= limit.max(1) {
+            page.next = last.map(ScanCursor);
+        }
+        Ok(page)
     }
 
     async fn update_mark<F>(&self, scope: &OrderingScope, mut apply: F) -> Result<(), Error>

@@ -36,7 +36,7 @@ use tokio::{sync::Notify, time::Instant};
 use super::{
     codec,
     shared::{DeletionFeed, HEARTBEAT},
-    Attempt, ReapReport, Store, StoreObserver, StoreStats,
+    Attempt, ReapReport, ScanCursor, ScanPage, Store, StoreObserver, StoreStats,
 };
 use crate::{
     clock::{Clock, UnixMillis},
@@ -243,6 +243,11 @@ impl<S: Store> Store for Tiered<S> {
 
     async fn get_mark(&self, scope: &OrderingScope) -> Result<Option<SequenceMark>, Error> {
         self.shared.get_mark(scope).await
+    }
+
+    /// The shared store's records (the local tier holds a subset of them).
+    async fn scan(&self, cursor: &ScanCursor, limit: usize) -> Result<ScanPage, Error> {
+        self.shared.scan(cursor, limit).await
     }
 
     async fn durable(&self) -> Result<(), Error> {

@@ -424,6 +424,14 @@ impl Store for TestStore {
         on_each!(self, store => store.get_mark(scope).await)
     }
 
+    async fn scan(
+        &self,
+        cursor: &dedupd::store::ScanCursor,
+        limit: usize,
+    ) -> Result<dedupd::store::ScanPage, Error> {
+        on_each!(self, store => store.scan(cursor, limit).await)
+    }
+
     async fn durable(&self) -> Result<(), Error> {
         on_each!(self, store => store.durable().await)
     }

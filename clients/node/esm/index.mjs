@@ -2,5 +2,5 @@
 // copy of the code, so `instanceof` works whichever way it was loaded).
 import dedupd from '../dist/index.js';
 
-export const { Client, DedupError, FingerprintMismatch, InProgress, LeaseLost, Stale, Unavailable } = dedupd;
+export const { Client, DedupError, FingerprintMismatch, InProgress, LeaseLost, ResponseErased, Stale, Unavailable } = dedupd;
 export default dedupd;

@@ -13,6 +13,14 @@ test('import and require give the same classes', () => {
   assert.equal(dedupdDefault.InProgress, InProgress);
 });
 
+test('the ES module exports every name the CommonJS build does', async () => {
+  const esm = await import('@dedupd/client');
+  const names = Object.keys(require('@dedupd/client')).filter((name) => name !== '__esModule');
+  for (const name of names) {
+    assert.equal(esm[name], require('@dedupd/client')[name], `${name} missing from esm/index.mjs`);
+  }
+});
+
 test('an ES module consumer deduplicates', async (t) => {
   const sidecar = await startSidecar(t, tempDir(t), '127.0.0.1:0');
   const dedup = new Client({ address: sidecar.address });

@@ -60,7 +60,7 @@ use self::{
 use super::{
     optimistic::{self, with_token, Conditional, Swapped, Versioned},
     shared::{deletion_message, Reachability, RecentWrites},
-    Attempt, ReapReport, Store, StoreStats,
+    Attempt, ReapReport, ScanCursor, ScanPage, Store, StoreStats,
 };
 use crate::{
     clock::UnixMillis,
@@ -423,6 +423,42 @@ impl Store for PostgresStore {
         self.ready()?;
         let client = self.client().await?;
         Ok(self.read(&client, key).await?.map(|(record, _)| record))
+    }
+
+    async fn scan(&self, cursor: &ScanCursor, limit: usize) -> Result<ScanPage, Error> {
+        self.ready()?;
+        let client = self.client().await?;
+        let schema = &self.inner.schema;
+        // Keyset pagination on the primary key: each page one index range.
+        let after = Key::from_bytes(&cursor.0);
+        let (namespace, correlation_id) = after
+            .as_ref()
+            .map_or(("", ""), |key| (key.namespace(), key.correlation_id()));
+        let limit = limit.clamp(1, 10_000);
+        let sql = format!(
+            "SELECT namespace, correlation_id, {COLUMNS} FROM {schema}.processed_events
+              WHERE (namespace, correlation_id) > ($1, $2)
+              ORDER BY namespace, correlation_id LIMIT $3"
+        );
+        let statement = self.bounded(&client, client.prepare_cached(&sql)).await?;
+        let rows = self
+            .bounded(
+                &client,
+                client.query(&statement, &[&namespace, &correlation_id, &(limit as i64)]),
+            )
+            .await?;
+        let mut page = ScanPage::default();
+        for row in &rows {
+            let key = Key::new_unchecked(row.get("namespace"), row.get("correlation_id"));
+            page.records.push((key, record_from_row(row)?));
+        }
+        if page.records.len() == limit {
+            page.next = page
+                .records
+                .last()
+                .map(|(key, _)| ScanCursor(key.to_bytes()));
+        }
+        Ok(page)
     }
 
     async fn update_mark<F>(&self, scope: &OrderingScope, mut apply: F) -> Result<(), Error>

@@ -60,6 +60,7 @@ mod eviction;
 mod feed;
 mod fence;
 mod records;
+mod scan;
 mod scripts;
 mod sentinel;
 
@@ -604,6 +605,15 @@ impl Store for RedisStore {
                 "Redis's eviction policy not read yet".into(),
             )),
         }
+    }
+
+    async fn scan(
+        &self,
+        cursor: &store::ScanCursor,
+        limit: usize,
+    ) -> Result<store::ScanPage, Error> {
+        self.not_evicting().await?;
+        self.scan_page(cursor, limit).await
     }
 
     async fn stats(&self) -> StoreStats {
