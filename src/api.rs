@@ -10,8 +10,10 @@ use crate::{
         self, ClaimOutcome, CommitOutcome, Key, LeaseLost, LeaseToken, OrderingPosition, Record,
         ReleaseOutcome, DEFAULT_NAMESPACE, MAX_CORRELATION_ID_BYTES, MAX_NAMESPACE_BYTES,
     },
+    engine::RekeyPage,
     error::{Error, FieldViolation},
     proto::v1 as pb,
+    store::ScanCursor,
 };
 
 /// The longest lease any server allows.
@@ -486,6 +488,52 @@ impl Limits {
         let mut checker = Checker::new(self);
         let releases = checker.batch(items, Checker::release);
         checker.finish(releases)
+    }
+
+    /// Validates a Rekey page: where it starts and how many records.
+    pub fn rekey(&self, request: pb::RekeyRequest) -> Result<(ScanCursor, usize), Error> {
+        let mut violations = Vec::new();
+        if request.cursor.len() > MAX_REKEY_CURSOR_BYTES {
+            violations.push(FieldViolation::new(
+                "cursor",
+                format!("must be at most {MAX_REKEY_CURSOR_BYTES} bytes (send back next_cursor as it came)"),
+            ));
+        }
+        let page_size = match request.page_size {
+            0 => DEFAULT_REKEY_PAGE,
+            size if size as usize > MAX_REKEY_PAGE => {
+                violations.push(FieldViolation::new(
+                    "page_size",
+                    format!("must be at most {MAX_REKEY_PAGE}, got {size}"),
+                ));
+                0
+            }
+            size => size as usize,
+        };
+        if violations.is_empty() {
+            Ok((ScanCursor(request.cursor), page_size))
+        } else {
+            Err(Error::InvalidArgument(violations))
+        }
+    }
+}
+
+/// Records a Rekey page looks at when the request does not say.
+pub const DEFAULT_REKEY_PAGE: usize = 500;
+/// The most records one Rekey page may look at.
+pub const MAX_REKEY_PAGE: usize = 10_000;
+/// A cursor is a store key (or a Redis node and cursor): never longer.
+const MAX_REKEY_CURSOR_BYTES: usize = 4096;
+
+/// A rekey page's report as the proto says it.
+pub fn rekey_response(page: RekeyPage) -> pb::RekeyResponse {
+    pb::RekeyResponse {
+        examined: page.examined,
+        resealed: page.resealed,
+        current: page.current,
+        erased: page.erased,
+        unreadable: page.unreadable,
+        next_cursor: page.next.map(|cursor| cursor.0).unwrap_or_default(),
     }
 }
 

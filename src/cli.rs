@@ -1,5 +1,6 @@
 //! The command-line client (`dedupd claim|commit|release|renew|lookup|
-//! forget`): one call to a running sidecar, its answer printed for a person
+//! forget|rekey`): one call to a running sidecar (a page of calls for
+//! `rekey`), its answer printed for a person
 //! or, with `--json`, for a script. `dedupd claim` exits with a code per
 //! outcome so shell consumers can branch on it.
 
@@ -171,6 +172,17 @@ pub enum ClientCommand {
         /// The correlation ID.
         correlation_id: String,
     },
+    /// Re-seal every stored answer with its namespace's current sealing key
+    /// (after adding a key), page after page, printing progress; once it
+    /// exits 0 no live answer is under an old key and the old key can go.
+    /// Needs the admin token. Exits 1 if answers could not be opened.
+    Rekey {
+        #[command(flatten)]
+        connection: Connection,
+        /// Records per call (the sidecar's default: 500; at most 10000).
+        #[arg(long, default_value_t = 500)]
+        page_size: u32,
+    },
     /// Ask the sidecar's gRPC health service; exits 0 only when SERVING.
     Health {
         #[command(flatten)]
@@ -194,6 +206,7 @@ pub async fn run(command: ClientCommand) -> i32 {
         | ClientCommand::Renew { connection, .. }
         | ClientCommand::Lookup { connection, .. }
         | ClientCommand::Forget { connection, .. }
+        | ClientCommand::Rekey { connection, .. }
         | ClientCommand::Health { connection, .. } => connection.clone(),
     };
     match call(command, &connection).await {
@@ -344,7 +357,67 @@ async fn call(command: ClientCommand, connection: &Connection) -> Result<(i32, V
                 .into_inner();
             Ok((0, json!({ "existed": answer.existed })))
         }
+        ClientCommand::Rekey { page_size, .. } => {
+            rekey(&mut client, page_size, connection.json).await
+        }
     }
+}
+
+/// Calls Rekey page after page until the pass is through, a progress line
+/// per page on stderr (unless `--json`); the totals are the answer.
+async fn rekey(
+    client: &mut ClaimAndCommitClient<
+        tonic::service::interceptor::InterceptedService<Channel, BearerToken>,
+    >,
+    page_size: u32,
+    quiet: bool,
+) -> Result<(i32, Value), Status> {
+    let mut totals = [0u64; 5];
+    let mut cursor = Vec::new();
+    let mut pages = 0u64;
+    loop {
+        let page = client
+            .rekey(pb::RekeyRequest {
+                cursor: std::mem::take(&mut cursor),
+                page_size,
+            })
+            .await?
+            .into_inner();
+        pages += 1;
+        for (total, figure) in totals.iter_mut().zip([
+            page.examined,
+            page.resealed,
+            page.current,
+            page.erased,
+            page.unreadable,
+        ]) {
+            *total += figure;
+        }
+        if !quiet {
+            let [examined, resealed, current, erased, unreadable] = totals;
+            eprintln!(
+                "rekey: page {pages}: {examined} records examined, {resealed} answers re-sealed, \
+                 {current} already current, {erased} erased, {unreadable} unreadable"
+            );
+        }
+        if page.next_cursor.is_empty() {
+            break;
+        }
+        cursor = page.next_cursor;
+    }
+    let [examined, resealed, current, erased, unreadable] = totals;
+    let code = if unreadable == 0 { 0 } else { exit_code::ERROR };
+    Ok((
+        code,
+        json!({
+            "pages": pages,
+            "examined": examined,
+            "resealed": resealed,
+            "current": current,
+            "erased": erased,
+            "unreadable": unreadable,
+        }),
+    ))
 }
 
 /// Connects to `addr`: `HOST:PORT`, `http://HOST:PORT` or `unix:///path`.

@@ -37,7 +37,7 @@ use crate::{metrics::Metrics, proto::v1::claim_and_commit_server::SERVICE_NAME, 
 
 /// The methods of `dedup.v1.ClaimAndCommit`: the only `rpc` metric labels
 /// besides [`OTHER_RPC`]. A unit test checks the list against the proto.
-pub(crate) const METHODS: [&str; 9] = [
+pub(crate) const METHODS: [&str; 10] = [
     "Claim",
     "Commit",
     "Release",
@@ -47,6 +47,7 @@ pub(crate) const METHODS: [&str; 9] = [
     "ClaimBatch",
     "CommitBatch",
     "ReleaseBatch",
+    "Rekey",
 ];
 
 /// The `rpc` label of every path that is not one of [`METHODS`].
@@ -71,8 +72,8 @@ pub struct Tokens {
 }
 
 impl Tokens {
-    /// `client` opens every call; `admin` also opens `Forget` (without it,
-    /// nobody may call `Forget`).
+    /// `client` opens every call; `admin` also opens `Forget` and `Rekey`
+    /// (without it, nobody may call them).
     pub fn new(client: &str, admin: Option<&str>) -> Tokens {
         Tokens {
             client: client.as_bytes().into(),
@@ -108,9 +109,9 @@ impl Role {
     pub(crate) fn require_admin<T>(request: &tonic::Request<T>) -> Result<(), Status> {
         match request.extensions().get::<Role>() {
             Some(Role::Admin) => Ok(()),
-            Some(Role::Client) | None => {
-                Err(Status::permission_denied("Forget needs the admin token"))
-            }
+            Some(Role::Client) | None => Err(Status::permission_denied(
+                "Forget and Rekey need the admin token",
+            )),
         }
     }
 }

@@ -234,6 +234,12 @@ fn serve(args: &ServeArgs) -> ExitCode {
     if let Some(keyring) = &server.keyring {
         // Each key's ID: what --erased-key-id takes once a key is destroyed.
         tracing::info!(keys = %keyring.describe(), "sealing keys");
+        if !keyring.seals() {
+            tracing::warn!(
+                "no --encryption-key-file: new answers are stored unsealed (the keys given \
+                 only open or erase what was sealed before)"
+            );
+        }
     }
     if let Some(traces) = &settings.traces {
         tracing::info!(endpoint = %traces.endpoint, protocol = ?traces.protocol, sampler = ?traces.sampler, "exporting traces with OTLP");

@@ -235,7 +235,7 @@ impl Keyring {
                 }
             }
         }
-        let keyring = Keyring {
+        let mut keyring = Keyring {
             keys: Keys {
                 sealing: read_keys("encryption-key-file", &files.sealing)?,
                 opening: read_keys("decryption-key-file", &files.opening)?,
@@ -248,6 +248,13 @@ impl Keyring {
         }
         if !files.opening.is_empty() && keyring.keys.opening.is_empty() {
             return Err("--decryption-key-file names no key file".into());
+        }
+        // A key given both ways seals: the second step of a rotation (the
+        // new key moved from the opening keys into the sealing ones) passes
+        // through that state while a pod restarts between two Secret edits.
+        for group in std::iter::once(&mut keyring.keys).chain(keyring.namespaces.values_mut()) {
+            let Keys { sealing, opening } = group;
+            opening.retain(|key| !sealing.iter().any(|sealer| sealer.id == key.id));
         }
         keyring.check()?;
         Ok(Some(keyring))
@@ -343,7 +350,8 @@ impl Keyring {
     pub fn describe(&self) -> String {
         let group = |keys: &Keys| {
             let last = keys.sealing.len().checked_sub(1);
-            keys.sealing
+            let described = keys
+                .sealing
                 .iter()
                 .enumerate()
                 .map(|(index, key)| {
@@ -356,7 +364,12 @@ impl Keyring {
                 })
                 .chain(keys.opening.iter().map(|key| format!("{} opens", key.id)))
                 .collect::<Vec<_>>()
-                .join(", ")
+                .join(", ");
+            if described.is_empty() {
+                "none".to_owned()
+            } else {
+                described
+            }
         };
         std::iter::once(format!("default: {}", group(&self.keys)))
             .chain(
@@ -799,6 +812,13 @@ mod tests {
         assert!(keys.describe().contains(&format!("{} seals", id(1))));
         assert!(keys.describe().contains(&format!("{} opens", id(2))));
 
+        // The sealing key also given as an opening key: it seals.
+        let both_ways = KeyFiles {
+            opening: vec![files.sealing[0].clone()],
+            ..files.clone()
+        };
+        let keys = Keyring::load(&both_ways).unwrap().unwrap();
+        assert_eq!(keys.sealing_id(), id(1));
         let erased_and_held = KeyFiles {
             erased: vec![id(1)],
             ..files

@@ -87,6 +87,21 @@ impl<S: Store> ClaimAndCommit for DedupService<S> {
         Ok(Response::new(pb::ForgetResponse { existed }))
     }
 
+    async fn rekey(&self, request: Request<pb::RekeyRequest>) -> Answer<pb::RekeyResponse> {
+        Role::require_admin(&request)?;
+        let (cursor, page_size) = self.limits.rekey(request.into_inner())?;
+        let page = self.engine.rekey(&cursor, page_size).await?;
+        tracing::info!(
+            examined = page.examined,
+            resealed = page.resealed,
+            erased = page.erased,
+            unreadable = page.unreadable,
+            through = page.next.is_none(),
+            "rekey page"
+        );
+        Ok(Response::new(api::rekey_response(page)))
+    }
+
     async fn claim_batch(
         &self,
         request: Request<pb::ClaimBatchRequest>,

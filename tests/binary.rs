@@ -921,3 +921,77 @@ fn cli_shows_an_erased_answer_as_erased() {
     assert_eq!(looked["record"]["response_erased"], true, "{stdout}");
     assert_eq!(looked["record"]["response"], "", "{stdout}");
 }
+
+/// `dedupd rekey` re-seals what the old key sealed, reporting progress,
+/// and the old key can then be removed: the answer still replays.
+#[test]
+fn rekey_reseals_with_the_new_key_so_the_old_one_can_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let (old, new) = (dir.path().join("2026.key"), dir.path().join("2027.key"));
+    std::fs::write(&old, "a1".repeat(32)).unwrap();
+    std::fs::write(&new, "b2".repeat(32)).unwrap();
+    let data = dir.path().join("data");
+    let flag = |path: &std::path::Path| path.to_str().unwrap().to_owned();
+    let commit = |sidecar: &Sidecar, id: &str| {
+        let (_, stdout, _) = cli(sidecar.addr, &["claim", id, "--json"]);
+        let claimed: Value = serde_json::from_str(&stdout).unwrap();
+        let token = claimed["lease_token"].as_str().unwrap().to_owned();
+        let (code, stdout, _) = cli(
+            sidecar.addr,
+            &[
+                "commit",
+                id,
+                "--lease-token",
+                &token,
+                "--response",
+                &format!("answer {id}"),
+            ],
+        );
+        assert_eq!(code, 0, "{stdout}");
+    };
+    let stop = |mut sidecar: Sidecar| {
+        let (code, log) = common::sidecar::terminate(&mut sidecar, Duration::from_secs(15));
+        assert_eq!(code, Some(0), "{log}");
+    };
+
+    let first = Sidecar::start_with(&data, &["--encryption-key-file", &flag(&old)]);
+    for id in ["r-1", "r-2", "r-3"] {
+        commit(&first, id);
+    }
+    stop(first);
+    let both = [
+        "--encryption-key-file",
+        &flag(&old),
+        "--encryption-key-file",
+        &flag(&new),
+    ];
+    let rotated = Sidecar::start_with(&data, &both);
+    commit(&rotated, "r-4");
+    let (code, stdout, stderr) = cli(rotated.addr, &["rekey", "--page-size", "2"]);
+    assert_eq!(code, 0, "{stdout} {stderr}");
+    assert!(
+        stderr.contains("rekey: page 2:"),
+        "progress per page: {stderr}"
+    );
+    assert!(stdout.contains("resealed: 3"), "{stdout}");
+    let (code, stdout, _) = cli(rotated.addr, &["rekey", "--json"]);
+    assert_eq!(code, 0);
+    let again: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(
+        (again["resealed"].as_u64(), again["current"].as_u64()),
+        (Some(0), Some(4))
+    );
+    stop(rotated);
+
+    let new_only = Sidecar::start_with(&data, &["--encryption-key-file", &flag(&new)]);
+    for id in ["r-1", "r-2", "r-3", "r-4"] {
+        let (code, stdout, _) = cli(new_only.addr, &["lookup", id, "--json"]);
+        assert_eq!(code, 0, "{stdout}");
+        let looked: Value = serde_json::from_str(&stdout).unwrap();
+        assert_eq!(
+            looked["record"]["response"],
+            format!("answer {id}"),
+            "{stdout}"
+        );
+    }
+}

@@ -15,8 +15,8 @@ use dedupd::{
     hashed_ids::IdHasher,
     machine::Change,
     proto::v1 as pb,
-    sealing::Keyring,
-    store::{Attempt, Store},
+    sealing::{KeyId, Keyring},
+    store::{Attempt, ScanCursor, Store},
 };
 
 fn keyring() -> Arc<Keyring> {
@@ -624,5 +624,164 @@ async fn destroying_a_namespace_key_erases_only_its_answers() {
     let kept = batch[1].record.as_ref().unwrap();
     assert!(!kept.response_erased);
     assert_eq!(kept.response, b"card 1111");
+    server.stop().await.expect("clean stop");
+}
+
+/// The key ID every live committed answer of `store` is sealed with.
+async fn sealing_key_ids<S: Store>(store: &S) -> Vec<(String, KeyId)> {
+    let mut ids = Vec::new();
+    let mut cursor = ScanCursor::default();
+    loop {
+        let page = store.scan(&cursor, 64).await.expect("scan");
+        for (key, record) in page.records {
+            if record.state == dedupd::domain::RecordState::Committed {
+                let id = Keyring::key_id(&record.response).expect("a sealed answer");
+                ids.push((key.correlation_id().to_owned(), id));
+            }
+        }
+        match page.next {
+            Some(next) => cursor = next,
+            None => return ids,
+        }
+    }
+}
+
+/// Rotation under load: answers sealed with the old key, then a new key
+/// added while consumers keep claiming, committing and replaying, and a
+/// rekey pass running through the store at the same time. Nothing is lost
+/// — every answer, old and new, replays as committed — no answer is left
+/// under the old key, and a sidecar without the old key then answers every
+/// duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rotation_under_load_then_rekey_leaves_nothing_under_the_old_key() {
+    const OLD: usize = 120;
+    const NEW_PER_WORKER: usize = 40;
+    const WORKERS: usize = 4;
+    let new_id = Keyring::from_bytes(&[[0x42; 32]]).unwrap().sealing_id();
+    let with = |keys: &'static [[u8; 32]]| {
+        move |config: &mut dedupd::server::ServerConfig| {
+            config.keyring = Some(Arc::new(Keyring::from_bytes(keys).unwrap()));
+            config.hashed_ids = Some(Arc::new(IdHasher::from_bytes(&[0x43; 32])));
+        }
+    };
+    let mut server = TestServer::builder()
+        .config(with(&[[0x41; 32]]))
+        .start()
+        .await;
+    let mut client = server.client().await;
+    for i in 0..OLD {
+        claim_and_commit(
+            &mut client,
+            &format!("old-{i}"),
+            format!("old answer {i}").into(),
+        )
+        .await
+        .expect("commit");
+    }
+    let (dir, clock, space) = (
+        Arc::clone(&server.dir),
+        server.clock.clone(),
+        server.store.test_space(),
+    );
+    server.stop_in_place().await.expect("clean stop");
+    drop(server);
+
+    let mut rotated = TestServer::builder()
+        .in_dir(Arc::clone(&dir), clock.clone())
+        .in_space(space.clone())
+        .config(with(&[[0x41; 32], [0x42; 32]]))
+        .start()
+        .await;
+    let mut workers = Vec::new();
+    for worker in 0..WORKERS {
+        let mut client = rotated.client().await;
+        workers.push(tokio::spawn(async move {
+            for i in 0..NEW_PER_WORKER {
+                let id = format!("new-{worker}-{i}");
+                claim_and_commit(&mut client, &id, format!("new answer {worker} {i}").into())
+                    .await
+                    .expect("commit under load");
+                let old = (worker * NEW_PER_WORKER + i) % OLD;
+                let replay = claim(&mut client, claim_request(&format!("old-{old}"))).await;
+                assert_eq!(outcome(&replay), pb::ClaimOutcome::Duplicate);
+                assert_eq!(
+                    replay.record.unwrap().response,
+                    format!("old answer {old}").as_bytes(),
+                    "an old answer replays during the pass"
+                );
+            }
+        }));
+    }
+    let mut admin = rotated.client().await;
+    let (mut cursor, mut resealed, mut pages) = (Vec::new(), 0, 0);
+    loop {
+        let page = admin
+            .rekey(pb::RekeyRequest {
+                cursor: std::mem::take(&mut cursor),
+                page_size: 16,
+            })
+            .await
+            .expect("a rekey page")
+            .into_inner();
+        assert_eq!((page.erased, page.unreadable), (0, 0), "{page:?}");
+        resealed += page.resealed;
+        pages += 1;
+        if page.next_cursor.is_empty() {
+            break;
+        }
+        cursor = page.next_cursor;
+        tokio::task::yield_now().await;
+    }
+    for worker in workers {
+        worker.await.expect("a worker");
+    }
+    assert!(pages > 1, "the pass went page by page");
+    assert_eq!(resealed, OLD as u64, "every old answer re-sealed once");
+    let ids = sealing_key_ids(rotated.store.as_ref()).await;
+    assert_eq!(ids.len(), OLD + WORKERS * NEW_PER_WORKER, "nothing lost");
+    assert!(
+        ids.iter().all(|(_, id)| *id == new_id),
+        "no answer left under the old key: {:?}",
+        ids.iter()
+            .filter(|(_, id)| *id != new_id)
+            .collect::<Vec<_>>()
+    );
+    // A second pass finds nothing to do.
+    let again = admin
+        .rekey(pb::RekeyRequest {
+            cursor: Vec::new(),
+            page_size: 10_000,
+        })
+        .await
+        .expect("rekey")
+        .into_inner();
+    assert_eq!(again.resealed, 0);
+    assert!(again.next_cursor.is_empty() || again.examined > 0);
+    rotated.stop_in_place().await.expect("clean stop");
+    drop(rotated);
+
+    // The old key removed: every answer still replays.
+    let server = TestServer::builder()
+        .in_dir(dir, clock)
+        .in_space(space)
+        .config(with(&[[0x42; 32]]))
+        .start()
+        .await;
+    let mut client = server.client().await;
+    for i in 0..OLD {
+        let replay = claim(&mut client, claim_request(&format!("old-{i}"))).await;
+        assert_eq!(
+            replay.record.unwrap().response,
+            format!("old answer {i}").as_bytes()
+        );
+    }
+    for worker in 0..WORKERS {
+        let i = NEW_PER_WORKER - 1;
+        let replay = claim(&mut client, claim_request(&format!("new-{worker}-{i}"))).await;
+        assert_eq!(
+            replay.record.unwrap().response,
+            format!("new answer {worker} {i}").as_bytes()
+        );
+    }
     server.stop().await.expect("clean stop");
 }

@@ -250,7 +250,7 @@ impl<S: Store> Proxy<S> {
                 self.first_request(record_key, token, (request, budget), protocol)
                     .await
             }
-            // Sealed with a key removed since: the request was sent once.
+            // Sealed with a key destroyed since: the request was sent once.
             ClaimOutcome::Duplicate { record } if record.response_erased => Answer::rejected(
                 Rejection::OutcomeUnknown("its stored answer was erased".into()),
                 protocol,

@@ -57,8 +57,8 @@ export interface Claim {
     recovered: boolean;
     duplicate: boolean;
     cachedResponse: Buffer;
-    /** A duplicate whose response was erased (its encryption key removed):
-     * `cachedResponse` is empty. */
+    /** A duplicate whose response was erased (its encryption key destroyed
+     * and declared so): `cachedResponse` is empty. */
     responseErased: boolean;
 }
 /** Optional fields of a Claim (see dedup.proto's ClaimRequest). */

@@ -112,7 +112,7 @@ class Claim:
     duplicate: bool = False
     cached_response: bytes = b""
     #: A duplicate whose stored response was sealed with an encryption key
-    #: the sidecar no longer has (erased): `cached_response` is empty.
+    #: since destroyed (declared erased): `cached_response` is empty.
     response_erased: bool = False
     #: Set once Commit succeeded (or the claim was released).
     settled: bool = field(default=False, repr=False)

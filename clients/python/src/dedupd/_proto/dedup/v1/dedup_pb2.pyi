@@ -268,3 +268,27 @@ class ReleaseBatchResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[ReleaseResponse]
     def __init__(self, results: _Optional[_Iterable[_Union[ReleaseResponse, _Mapping]]] = ...) -> None: ...
+
+class RekeyRequest(_message.Message):
+    __slots__ = ("cursor", "page_size")
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    cursor: bytes
+    page_size: int
+    def __init__(self, cursor: _Optional[bytes] = ..., page_size: _Optional[int] = ...) -> None: ...
+
+class RekeyResponse(_message.Message):
+    __slots__ = ("examined", "resealed", "current", "erased", "unreadable", "next_cursor")
+    EXAMINED_FIELD_NUMBER: _ClassVar[int]
+    RESEALED_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    ERASED_FIELD_NUMBER: _ClassVar[int]
+    UNREADABLE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    examined: int
+    resealed: int
+    current: int
+    erased: int
+    unreadable: int
+    next_cursor: bytes
+    def __init__(self, examined: _Optional[int] = ..., resealed: _Optional[int] = ..., current: _Optional[int] = ..., erased: _Optional[int] = ..., unreadable: _Optional[int] = ..., next_cursor: _Optional[bytes] = ...) -> None: ...

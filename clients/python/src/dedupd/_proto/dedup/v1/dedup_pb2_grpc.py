@@ -81,6 +81,11 @@ class ClaimAndCommitStub:
                 request_serializer=dedupd_dot___proto_dot_dedup_dot_v1_dot_dedup__pb2.ReleaseBatchRequest.SerializeToString,
                 response_deserializer=dedupd_dot___proto_dot_dedup_dot_v1_dot_dedup__pb2.ReleaseBatchResponse.FromString,
                 _registered_method=True)
+        self.Rekey = channel.unary_unary(
+                '/dedup.v1.ClaimAndCommit/Rekey',
+                request_serializer=dedupd_dot___proto_dot_dedup_dot_v1_dot_dedup__pb2.RekeyRequest.SerializeToString,
+                response_deserializer=dedupd_dot___proto_dot_dedup_dot_v1_dot_dedup__pb2.RekeyResponse.FromString,
+                _registered_method=True)
 
 
 class ClaimAndCommitServicer:
@@ -154,6 +159,15 @@ class ClaimAndCommitServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rekey(self, request, context):
+        """Rekey re-seals one page of stored answers with their namespace's
+        current sealing key (an administrative operation: `dedupd rekey` calls
+        it page after page until next_cursor is empty).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClaimAndCommitServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +215,11 @@ def add_ClaimAndCommitServicer_to_server(servicer, server):
                     servicer.ReleaseBatch,
                     request_deserializer=dedupd_dot___proto_dot_dedup_dot_v1_dot_dedup__pb2.ReleaseBatchRequest.FromString,
                     response_serializer=dedupd_dot___proto_dot_dedup_dot_v1_dot_dedup__pb2.ReleaseBatchResponse.SerializeToString,
+            ),
+            'Rekey': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rekey,
+                    request_deserializer=dedupd_dot___proto_dot_dedup_dot_v1_dot_dedup__pb2.RekeyRequest.FromString,
+                    response_serializer=dedupd_dot___proto_dot_dedup_dot_v1_dot_dedup__pb2.RekeyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -448,6 +467,33 @@ class ClaimAndCommit:
             '/dedup.v1.ClaimAndCommit/ReleaseBatch',
             dedupd_dot___proto_dot_dedup_dot_v1_dot_dedup__pb2.ReleaseBatchRequest.SerializeToString,
             dedupd_dot___proto_dot_dedup_dot_v1_dot_dedup__pb2.ReleaseBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rekey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dedup.v1.ClaimAndCommit/Rekey',
+            dedupd_dot___proto_dot_dedup_dot_v1_dot_dedup__pb2.RekeyRequest.SerializeToString,
+            dedupd_dot___proto_dot_dedup_dot_v1_dot_dedup__pb2.RekeyResponse.FromString,
             options,
             channel_credentials,
             insecure,
