@@ -221,12 +221,20 @@ impl<S: Store> Engine<S> {
         let mut outcomes = Vec::with_capacity(requests.len());
         let store_round_trips = telemetry::store_span(self.store.kind());
         for request in requests {
-            outcomes.push(
-                request
-                    .apply(self)
-                    .instrument(store_round_trips.clone())
-                    .await?,
-            );
+            match request
+                .apply(self)
+                .instrument(store_round_trips.clone())
+                .await
+            {
+                Ok(outcome) => outcomes.push(outcome),
+                Err(error) => {
+                    // The call fails: what earlier items took is given back.
+                    for (done, outcome) in requests.iter().zip(&outcomes) {
+                        done.undo(self, outcome).await;
+                    }
+                    return Err(error);
+                }
+            }
         }
         drop(store_round_trips);
         self.wait_durable().await?;
@@ -575,11 +583,22 @@ pub struct RekeyPage {
 
 /// A request that a batch applies without waiting for durability.
 trait Step: Sync {
-    type Outcome: Send;
+    type Outcome: Send + Sync;
     fn apply<S: Store>(
         &self,
         engine: &Engine<S>,
     ) -> impl Future<Output = Result<Self::Outcome, Error>> + Send;
+
+    /// Gives back what `outcome` holds when a later item of its batch fails
+    /// the call: the caller never learns of it, so nothing else would.
+    fn undo<S: Store>(
+        &self,
+        engine: &Engine<S>,
+        outcome: &Self::Outcome,
+    ) -> impl Future<Output = ()> + Send {
+        let _ = (engine, outcome);
+        async {}
+    }
 }
 
 impl Step for ClaimRequest {
@@ -589,6 +608,23 @@ impl Step for ClaimRequest {
         engine: &Engine<S>,
     ) -> impl Future<Output = Result<ClaimOutcome, Error>> + Send {
         engine.claim_unsynced(self)
+    }
+
+    /// A claim granted to a batch that then failed: its lease token never
+    /// reached the caller, whose retry would find the key IN_PROGRESS until
+    /// the lease ends. Released (best effort: if this fails too, the lease
+    /// ends by itself).
+    async fn undo<S: Store>(&self, engine: &Engine<S>, outcome: &ClaimOutcome) {
+        let ClaimOutcome::Claimed { record, .. } = outcome else {
+            return;
+        };
+        let release = ReleaseRequest {
+            key: self.key.clone(),
+            lease_token: record.lease_token,
+        };
+        if let Err(error) = engine.release_unsynced(&release).await {
+            tracing::warn!(key = %self.key, %error, "a claim of a failed batch was not given back; its lease will end");
+        }
     }
 }
 

@@ -371,6 +371,27 @@ async fn without_its_key_a_sealed_answer_is_refused_unless_declared_erased() {
         );
         assert!(status.message().contains(&old_id.to_string()), "{status:?}");
         assert!(!status.message().contains("receipt"), "{case}: {status:?}");
+        // In a batch it fails the call; the claim an earlier item took is
+        // given back, so the redelivered batch's fresh item is not stuck
+        // IN_PROGRESS until its lease ends.
+        let fresh = format!("fresh-{}", case.replace(' ', "-"));
+        let status = client
+            .claim_batch(pb::ClaimBatchRequest {
+                items: vec![claim_request(&fresh), claim_request("paid")],
+            })
+            .await
+            .expect_err("the batch fails with its item");
+        assert_eq!(
+            status.code(),
+            tonic::Code::Unavailable,
+            "{case}: {status:?}"
+        );
+        let again = claim(&mut client, claim_request(&fresh)).await;
+        assert_eq!(
+            outcome(&again),
+            pb::ClaimOutcome::Claimed,
+            "{case}: {again:?}"
+        );
         server.stop_in_place().await.expect("clean stop");
     }
 
