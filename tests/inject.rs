@@ -269,6 +269,10 @@ fn every_annotation_reaches_the_sidecar() {
             "DEDUPD_ENCRYPTION_KEY_FILE",
             "/var/run/secrets/dedupd-encryption",
         ),
+        (
+            "DEDUPD_DECRYPTION_KEY_FILE",
+            "/var/run/secrets/dedupd-decryption",
+        ),
         ("DEDUPD_NAMESPACE_RETENTION", "payments=30days,http=24h"),
         ("DEDUPD_DEFAULT_LEASE_TTL", "2m"),
         ("DEDUPD_SYNC", "always"),
@@ -321,14 +325,25 @@ fn every_annotation_reaches_the_sidecar() {
         .unwrap()
         .iter()
         .any(|m| m["name"] == "dedupd-store-url" && m["readOnly"] == true));
-    let keys = volume(&pod, "dedupd-encryption-keys");
-    assert_eq!(keys["secret"]["secretName"], "dedupd-answer-keys");
-    assert!(keys["secret"]["items"].is_null(), "every key of the Secret");
-    assert!(sidecar["volumeMounts"].as_array().unwrap().iter().any(|m| {
-        m["name"] == "dedupd-encryption-keys"
-            && m["mountPath"] == "/var/run/secrets/dedupd-encryption"
-            && m["readOnly"] == true
-    }));
+    for (volume_name, secret, path) in [
+        (
+            "dedupd-encryption-keys",
+            "dedupd-answer-keys",
+            "/var/run/secrets/dedupd-encryption",
+        ),
+        (
+            "dedupd-decryption-keys",
+            "dedupd-answer-keys-next",
+            "/var/run/secrets/dedupd-decryption",
+        ),
+    ] {
+        let keys = volume(&pod, volume_name);
+        assert_eq!(keys["secret"]["secretName"], secret);
+        assert!(keys["secret"]["items"].is_null(), "every key of the Secret");
+        assert!(sidecar["volumeMounts"].as_array().unwrap().iter().any(|m| {
+            m["name"] == volume_name && m["mountPath"] == path && m["readOnly"] == true
+        }));
+    }
 }
 
 /// Each bad value is refused with a message naming the annotation and
@@ -355,6 +370,10 @@ fn an_invalid_annotation_denies_the_pod_and_says_why() {
         (
             &[("dedupd.io/encryption-key-secret", "Keys/With/Slashes")],
             "dedupd.io/encryption-key-secret",
+        ),
+        (
+            &[("dedupd.io/decryption-key-secret", "Not_A_Secret")],
+            "dedupd.io/decryption-key-secret",
         ),
         (&[("dedupd.io/sync", "sometimes")], "always"),
         (

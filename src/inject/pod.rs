@@ -40,6 +40,9 @@ pub const SECRET_DIR: &str = "/var/run/secrets/dedupd";
 /// Where the Secret of answer-sealing keys is mounted: each of its keys a
 /// key file (`--encryption-key-file` reads the directory).
 pub const ENCRYPTION_KEY_DIR: &str = "/var/run/secrets/dedupd-encryption";
+/// Where the Secret of keys that only open answers is mounted
+/// (`--decryption-key-file`).
+pub const DECRYPTION_KEY_DIR: &str = "/var/run/secrets/dedupd-decryption";
 /// Volumes the injector adds.
 pub const SOCKET_VOLUME: &str = "dedupd-socket";
 /// The data volume (an `emptyDir`, or the PVC an annotation names).
@@ -48,6 +51,8 @@ pub const DATA_VOLUME: &str = "dedupd-data";
 pub const SECRET_VOLUME: &str = "dedupd-store-url";
 /// The answer-sealing keys' volume.
 pub const ENCRYPTION_KEY_VOLUME: &str = "dedupd-encryption-keys";
+/// The volume of the keys that only open answers.
+pub const DECRYPTION_KEY_VOLUME: &str = "dedupd-decryption-keys";
 /// Seconds added to the sidecar's shutdown grace for the pod's
 /// `terminationGracePeriodSeconds`: the app stops first, then dedupd drains.
 pub const GRACE_MARGIN_SECONDS: i64 = 10;
@@ -57,6 +62,32 @@ const ANNOTATION_STORE: &str = "dedupd.io/store";
 const ANNOTATION_STORE_URL_SECRET: &str = "dedupd.io/store-url-secret";
 const ANNOTATION_DATA_PVC: &str = "dedupd.io/data-pvc";
 const ANNOTATION_ENCRYPTION_KEY_SECRET: &str = "dedupd.io/encryption-key-secret";
+const ANNOTATION_DECRYPTION_KEY_SECRET: &str = "dedupd.io/decryption-key-secret";
+
+/// A Secret of keys an annotation mounts, every key of it a key file.
+#[derive(Debug)]
+struct KeySecret {
+    annotation: &'static str,
+    flag: &'static str,
+    dir: &'static str,
+    volume: &'static str,
+}
+
+/// The key Secrets, in the order their volumes are added.
+const KEY_SECRETS: [KeySecret; 2] = [
+    KeySecret {
+        annotation: ANNOTATION_ENCRYPTION_KEY_SECRET,
+        flag: "encryption-key-file",
+        dir: ENCRYPTION_KEY_DIR,
+        volume: ENCRYPTION_KEY_VOLUME,
+    },
+    KeySecret {
+        annotation: ANNOTATION_DECRYPTION_KEY_SECRET,
+        flag: "decryption-key-file",
+        dir: DECRYPTION_KEY_DIR,
+        volume: DECRYPTION_KEY_VOLUME,
+    },
+];
 const ANNOTATION_NATIVE: &str = "dedupd.io/native-sidecar";
 const ANNOTATION_CPU: &str = "dedupd.io/cpu";
 const ANNOTATION_MEMORY: &str = "dedupd.io/memory";
@@ -77,11 +108,12 @@ const FLAG_ANNOTATIONS: [(&str, &str); 5] = [
 
 /// Every annotation the injector reads; any other `dedupd.io/` one is a
 /// typo and denies the pod rather than being silently ignored.
-pub const ANNOTATIONS: [&str; 15] = [
+pub const ANNOTATIONS: [&str; 16] = [
     LABEL,
     ANNOTATION_STORE,
     ANNOTATION_STORE_URL_SECRET,
     ANNOTATION_ENCRYPTION_KEY_SECRET,
+    ANNOTATION_DECRYPTION_KEY_SECRET,
     "dedupd.io/namespace-retention",
     "dedupd.io/default-lease-ttl",
     "dedupd.io/sync",
@@ -171,8 +203,9 @@ struct PodSettings {
     memory_limit: String,
     data_pvc: Option<String>,
     store_url_secret: Option<(String, String)>,
-    /// The Secret whose every key seals answers.
-    encryption_key_secret: Option<String>,
+    /// The key Secrets to mount: [`KEY_SECRETS`]' entries and the Secret
+    /// each names.
+    key_secrets: Vec<(&'static KeySecret, String)>,
     /// `(flag, value)` pairs, passed to the sidecar as `DEDUPD_*` variables.
     flags: Vec<(&'static str, String)>,
     /// Traces are exported (an OTLP endpoint is annotated): the sidecar
@@ -223,18 +256,22 @@ impl PodSettings {
         if store_url_secret.is_some() {
             flags.push(("store-url-file", format!("{SECRET_DIR}/store-url")));
         }
-        let encryption_key_secret = match get(ANNOTATION_ENCRYPTION_KEY_SECRET) {
-            None => None,
-            Some(name) if is_dns_subdomain(&name) => {
-                flags.push(("encryption-key-file", ENCRYPTION_KEY_DIR.to_owned()));
-                Some(name)
+        let mut key_secrets = Vec::new();
+        for secret in &KEY_SECRETS {
+            match get(secret.annotation) {
+                None => {}
+                Some(name) if is_dns_subdomain(&name) => {
+                    flags.push((secret.flag, secret.dir.to_owned()));
+                    key_secrets.push((secret, name));
+                }
+                Some(name) => {
+                    return Err(format!(
+                        "annotation {}: {name:?} is not a Secret name (lower-case letters, digits, '-' and '.')",
+                        secret.annotation
+                    ))
+                }
             }
-            Some(name) => {
-                return Err(format!(
-                    "annotation {ANNOTATION_ENCRYPTION_KEY_SECRET}: {name:?} is not a Secret name (lower-case letters, digits, '-' and '.')"
-                ))
-            }
-        };
+        }
         // Each flag passed alone above; together they must pass too.
         check_flags(&flags).map_err(|problem| format!("dedupd annotations: {problem}"))?;
         let traces =
@@ -290,7 +327,7 @@ impl PodSettings {
             memory_limit: memory.unwrap_or_else(|| defaults.memory_limit.clone()),
             data_pvc,
             store_url_secret,
-            encryption_key_secret,
+            key_secrets,
             flags,
             traces: traces_on,
         })
@@ -499,10 +536,10 @@ impl PodSettings {
         if self.store_url_secret.is_some() {
             mounts.push(json!({"name": SECRET_VOLUME, "mountPath": SECRET_DIR, "readOnly": true}));
         }
-        if self.encryption_key_secret.is_some() {
+        for (secret, _) in &self.key_secrets {
             mounts.push(json!({
-                "name": ENCRYPTION_KEY_VOLUME,
-                "mountPath": ENCRYPTION_KEY_DIR,
+                "name": secret.volume,
+                "mountPath": secret.dir,
                 "readOnly": true,
             }));
         }
@@ -560,11 +597,11 @@ impl PodSettings {
                 },
             }));
         }
-        if let Some(secret) = &self.encryption_key_secret {
+        for (secret, name) in &self.key_secrets {
             volumes.push(json!({
-                "name": ENCRYPTION_KEY_VOLUME,
+                "name": secret.volume,
                 // Every key of the Secret, each a key file.
-                "secret": {"secretName": secret, "defaultMode": 0o444},
+                "secret": {"secretName": name, "defaultMode": 0o444},
             }));
         }
         volumes
