@@ -491,7 +491,7 @@ impl Limits {
     }
 
     /// Validates a Rekey page: where it starts and how many records.
-    pub fn rekey(&self, request: pb::RekeyRequest) -> Result<(ScanCursor, usize), Error> {
+    pub fn rekey(&self, request: pb::RekeyRequest) -> Result<(ScanCursor, usize, bool), Error> {
         let mut violations = Vec::new();
         if request.cursor.len() > MAX_REKEY_CURSOR_BYTES {
             violations.push(FieldViolation::new(
@@ -511,7 +511,11 @@ impl Limits {
             size => size as usize,
         };
         if violations.is_empty() {
-            Ok((ScanCursor(request.cursor), page_size))
+            Ok((
+                ScanCursor(request.cursor),
+                page_size,
+                request.retire_old_keys,
+            ))
         } else {
             Err(Error::InvalidArgument(violations))
         }
@@ -534,6 +538,7 @@ pub fn rekey_response(page: RekeyPage) -> pb::RekeyResponse {
         erased: page.erased,
         unreadable: page.unreadable,
         next_cursor: page.next.map(|cursor| cursor.0).unwrap_or_default(),
+        retired_old_keys: page.retired_old_keys,
     }
 }
 

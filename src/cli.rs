@@ -375,11 +375,13 @@ async fn rekey(
     let mut totals = [0u64; 5];
     let mut cursor = Vec::new();
     let mut pages = 0u64;
-    loop {
+    let retired = loop {
         let page = client
             .rekey(pb::RekeyRequest {
                 cursor: std::mem::take(&mut cursor),
                 page_size,
+                // Retire the old keys only after a pass where all opened.
+                retire_old_keys: totals[4] == 0,
             })
             .await?
             .into_inner();
@@ -401,10 +403,10 @@ async fn rekey(
             );
         }
         if page.next_cursor.is_empty() {
-            break;
+            break page.retired_old_keys;
         }
         cursor = page.next_cursor;
-    }
+    };
     let [examined, resealed, current, erased, unreadable] = totals;
     let code = if unreadable == 0 { 0 } else { exit_code::ERROR };
     Ok((
@@ -416,6 +418,7 @@ async fn rekey(
             "current": current,
             "erased": erased,
             "unreadable": unreadable,
+            "retired_old_keys": retired,
         }),
     ))
 }

@@ -3,7 +3,14 @@
 //! span with the decision (`telemetry`). Handlers for every face (gRPC, the
 //! HTTP proxy) call only this.
 
-use std::{borrow::Cow, fmt, future::Future, sync::Arc};
+use std::{
+    borrow::Cow,
+    collections::HashMap,
+    fmt,
+    future::Future,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
 use tracing::Instrument;
 
@@ -16,9 +23,9 @@ use crate::{
     },
     error::{Error, FieldViolation},
     hashed_ids::IdHasher,
-    machine,
+    key_registry, machine,
     metrics::Metrics,
-    sealing::{self, Binding, Keyring, Unsealable},
+    sealing::{self, Binding, KeyId, Keyring, Unsealable},
     store::{Attempt, ScanCursor, Store},
     telemetry,
 };
@@ -33,6 +40,9 @@ pub struct Engine<S> {
     /// Hashes every correlation ID before the store sees it
     /// ([`crate::hashed_ids`]).
     ids: Option<Arc<IdHasher>>,
+    /// The sealing keys this engine registered in the store, and when
+    /// ([`crate::key_registry`]).
+    registered: Arc<Mutex<HashMap<KeyId, UnixMillis>>>,
 }
 
 impl<S> fmt::Debug for Engine<S> {
@@ -53,6 +63,7 @@ impl<S> Clone for Engine<S> {
             metrics: Arc::clone(&self.metrics),
             keyring: self.keyring.clone(),
             ids: self.ids.clone(),
+            registered: Arc::clone(&self.registered),
         }
     }
 }
@@ -66,6 +77,7 @@ impl<S: Store> Engine<S> {
             metrics: Arc::new(Metrics::new()),
             keyring: None,
             ids: None,
+            registered: Arc::default(),
         }
     }
 
@@ -293,6 +305,69 @@ impl<S: Store> Engine<S> {
         Ok(existed)
     }
 
+    /// Registers `id` as sealing answers from `now` on, unless this engine
+    /// did within [`key_registry::REGISTRATION_REFRESH`].
+    async fn register_sealing_key(&self, id: KeyId, now: UnixMillis) -> Result<(), Error> {
+        let fresh = |registered: &HashMap<KeyId, UnixMillis>| {
+            registered
+                .get(&id)
+                .is_some_and(|at| now < at.saturating_add(key_registry::REGISTRATION_REFRESH))
+        };
+        if fresh(&self.registered.lock().expect("registered keys lock")) {
+            return Ok(());
+        }
+        self.store
+            .update(&key_registry::registry_key(), |current, _| {
+                Ok((key_registry::register(current, id, now)?, ()))
+            })
+            .await?;
+        self.registered
+            .lock()
+            .expect("registered keys lock")
+            .insert(id, now);
+        Ok(())
+    }
+
+    /// The start-up check: every key the store holds answers under that
+    /// may still be read (sealed within `longest_retention`) is configured
+    /// or declared erased. `Err` is one line for the operator (exit 64). A
+    /// store that cannot be read now is not a configuration error: the
+    /// check is skipped, and each answer is checked as it is read.
+    pub async fn check_sealing_keys(&self, longest_retention: Duration) -> Result<(), String> {
+        let registry = match self.store.get(&key_registry::registry_key()).await {
+            Ok(registry) => registry,
+            Err(error) => {
+                tracing::warn!(%error, "the store's sealing keys could not be read; not checked at start");
+                return Ok(());
+            }
+        };
+        let keys = match key_registry::registered(registry.as_ref()) {
+            Ok(keys) => keys,
+            Err(error) => {
+                tracing::error!(%error, "the store's sealing-key registry is damaged; not checked at start");
+                return Ok(());
+            }
+        };
+        let known = |id| {
+            self.keyring
+                .as_ref()
+                .is_some_and(|keyring| keyring.knows(id))
+        };
+        let now = self.clock.interval().earliest;
+        let missing = key_registry::missing(&keys, now, longest_retention, known);
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<String> = missing.iter().map(|(id, _)| id.to_string()).collect();
+        Err(format!(
+            "the store holds answers sealed with key {} that this sidecar does not have: mount \
+             it (--encryption-key-file or --decryption-key-file), or, only if it was destroyed \
+             on purpose, declare it (--erased-key-id {})",
+            ids.join(", "),
+            ids.join(",")
+        ))
+    }
+
     /// One page of a rekey pass: every committed answer among about
     /// `limit` stored records from `cursor` on that is sealed with a key
     /// other than its namespace's sealing key is opened and sealed anew with
@@ -300,7 +375,12 @@ impl<S: Store> Engine<S> {
     /// it is). Once a pass is through, no live answer is under an old key,
     /// and the old keys can be removed. Answers that cannot be opened are
     /// counted, not changed.
-    pub async fn rekey(&self, cursor: &ScanCursor, limit: usize) -> Result<RekeyPage, Error> {
+    pub async fn rekey(
+        &self,
+        cursor: &ScanCursor,
+        limit: usize,
+        retire_old_keys: bool,
+    ) -> Result<RekeyPage, Error> {
         let Some(keyring) = self.keyring.as_ref().filter(|keyring| keyring.seals()) else {
             return Err(Error::FailedPrecondition(
                 "rekey needs a sealing key (--encryption-key-file)".into(),
@@ -358,6 +438,17 @@ impl<S: Store> Engine<S> {
             } else {
                 page.current += 1;
             }
+        }
+        if retire_old_keys && page.next.is_none() && page.unreadable == 0 {
+            // The pass is through and every answer opened: nothing needs an
+            // old key any more (see `check_sealing_keys`).
+            let current = keyring.sealing_ids();
+            self.store
+                .update(&key_registry::registry_key(), |registry, _| {
+                    Ok((key_registry::keep_only(registry, &current)?, ()))
+                })
+                .await?;
+            page.retired_old_keys = true;
         }
         self.wait_durable().await?;
         Ok(page)
@@ -422,6 +513,12 @@ impl<S: Store> Engine<S> {
             )]));
         }
         let mut at = self.decision_time()?;
+        if let Some(keyring) = sealer {
+            // Before the first answer it seals: a sidecar started later
+            // without this key is refused at start, not answer by answer.
+            let id = keyring.sealing_id_for(request.key.namespace());
+            self.register_sealing_key(id, at.latest).await?;
+        }
         let sealed = sealer.map(|keyring| CommitRequest {
             response: keyring.seal(
                 &Binding {
@@ -579,6 +676,8 @@ pub struct RekeyPage {
     pub unreadable: u64,
     /// Where the next page starts; `None` once the pass is through.
     pub next: Option<ScanCursor>,
+    /// The store's record of sealing keys now names only the current ones.
+    pub retired_old_keys: bool,
 }
 
 /// A request that a batch applies without waiting for durability.

@@ -53,6 +53,7 @@ mod error;
 mod guard;
 pub mod hashed_ids;
 pub mod inject;
+pub mod key_registry;
 mod listen;
 pub mod machine;
 pub mod memory_budget;

@@ -131,6 +131,21 @@ async fn serve_on<S: Store>(store: Arc<S>, settings: &Settings, server: ServerCo
         tracing::error!(%error, "cannot start the fail-stop watchdog");
         return ExitCode::FAILURE;
     }
+    // Before binding: a key the store needs and this sidecar lacks is a
+    // configuration error, not a stream of refused answers.
+    let longest_retention = server
+        .limits
+        .namespace_retention
+        .values()
+        .fold(server.limits.max_retention, |longest, retention| {
+            longest.max(*retention)
+        });
+    let checking = dedupd::engine::Engine::new(Arc::clone(&store), Arc::clone(&server.clock))
+        .with_keyring(server.keyring.clone());
+    if let Err(line) = checking.check_sealing_keys(longest_retention).await {
+        eprintln!("dedupd: invalid configuration: {line}");
+        return ExitCode::from(EXIT_CONFIG);
+    }
     let mut grpc = Vec::with_capacity(settings.listen.len());
     for address in &settings.listen {
         match Listener::bind(address).await {

@@ -339,6 +339,27 @@ impl Keyring {
         Ok(())
     }
 
+    /// The keys that seal now: the default one and each namespace's.
+    pub fn sealing_ids(&self) -> Vec<KeyId> {
+        std::iter::once(&self.keys)
+            .chain(self.namespaces.values())
+            .filter_map(|keys| keys.sealing.last())
+            .map(|key| key.id)
+            .collect()
+    }
+
+    /// Whether `id` is one of ours (sealing or opening, any namespace's)
+    /// or declared erased: what the start-up check asks of every key the
+    /// store holds answers under.
+    pub fn knows(&self, id: KeyId) -> bool {
+        self.erased.contains(&id)
+            || self
+                .keys
+                .all()
+                .chain(self.namespaces.values().flat_map(Keys::all))
+                .any(|key| key.id == id)
+    }
+
     /// Whether this keyring seals answers (it may only open them, or only
     /// know which keys were destroyed).
     pub fn seals(&self) -> bool {

@@ -89,8 +89,8 @@ impl<S: Store> ClaimAndCommit for DedupService<S> {
 
     async fn rekey(&self, request: Request<pb::RekeyRequest>) -> Answer<pb::RekeyResponse> {
         Role::require_admin(&request)?;
-        let (cursor, page_size) = self.limits.rekey(request.into_inner())?;
-        let page = self.engine.rekey(&cursor, page_size).await?;
+        let (cursor, page_size, retire) = self.limits.rekey(request.into_inner())?;
+        let page = self.engine.rekey(&cursor, page_size, retire).await?;
         tracing::info!(
             examined = page.examined,
             resealed = page.resealed,

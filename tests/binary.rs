@@ -974,6 +974,9 @@ fn rekey_reseals_with_the_new_key_so_the_old_one_can_go() {
         "progress per page: {stderr}"
     );
     assert!(stdout.contains("resealed: 3"), "{stdout}");
+    // The pass opened everything: the store forgets the old key, so the
+    // sidecar below starts without it (it would exit 64 otherwise).
+    assert!(stdout.contains("retired_old_keys: true"), "{stdout}");
     let (code, stdout, _) = cli(rotated.addr, &["rekey", "--json"]);
     assert_eq!(code, 0);
     let again: Value = serde_json::from_str(&stdout).unwrap();
@@ -993,5 +996,72 @@ fn rekey_reseals_with_the_new_key_so_the_old_one_can_go() {
             format!("answer {id}"),
             "{stdout}"
         );
+    }
+}
+
+/// The store remembers which keys sealed its answers: a sidecar started
+/// without one of them (another key only, or none) exits 64 with one line
+/// naming it, before serving; with the key as an opening key, or the key
+/// declared destroyed, it starts.
+#[test]
+fn a_sidecar_without_a_key_its_store_needs_refuses_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a.key"), dir.path().join("b.key"));
+    std::fs::write(&a, "c3".repeat(32)).unwrap();
+    std::fs::write(&b, "d4".repeat(32)).unwrap();
+    let a_id = dedupd::sealing::Keyring::from_bytes(&[[0xc3; 32]])
+        .unwrap()
+        .sealing_id()
+        .to_string();
+    let data = dir.path().join("data");
+    let path = |p: &std::path::Path| p.to_str().unwrap().to_owned();
+    let mut sealing = Sidecar::start_with(&data, &["--encryption-key-file", &path(&a)]);
+    let (_, stdout, _) = cli(sealing.addr, &["claim", "k-1", "--json"]);
+    let claimed: Value = serde_json::from_str(&stdout).unwrap();
+    let token = claimed["lease_token"].as_str().unwrap().to_owned();
+    let (code, _, _) = cli(
+        sealing.addr,
+        &[
+            "commit",
+            "k-1",
+            "--lease-token",
+            &token,
+            "--response",
+            "sealed",
+        ],
+    );
+    assert_eq!(code, 0);
+    let (code, _) = common::sidecar::terminate(&mut sealing, Duration::from_secs(15));
+    assert_eq!(code, Some(0));
+    drop(sealing);
+
+    for args in [vec!["--encryption-key-file".to_owned(), path(&b)], vec![]] {
+        let output = Command::new(BINARY)
+            .args(&args)
+            .arg("--data-dir")
+            .arg(&data)
+            .args(["--listen", "127.0.0.1:0"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(64), "{args:?}: {stderr}");
+        let line = stderr
+            .lines()
+            .find(|line| line.starts_with("dedupd: invalid configuration"))
+            .unwrap_or_else(|| panic!("one configuration line: {stderr}"));
+        assert!(line.contains(&a_id), "names the key: {line}");
+    }
+    for extra in [
+        vec!["--decryption-key-file".to_owned(), path(&a)],
+        vec!["--erased-key-id".to_owned(), a_id.clone()],
+    ] {
+        let mut flags = vec!["--encryption-key-file".to_owned(), path(&b)];
+        flags.extend(extra);
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let mut started = Sidecar::start_with(&data, &flags);
+        let (code, stdout, _) = cli(started.addr, &["lookup", "k-1", "--json"]);
+        assert_eq!(code, 0, "{flags:?}: {stdout}");
+        let (code, _) = common::sidecar::terminate(&mut started, Duration::from_secs(15));
+        assert_eq!(code, Some(0));
     }
 }

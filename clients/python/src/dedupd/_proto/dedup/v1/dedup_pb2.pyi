@@ -270,25 +270,29 @@ class ReleaseBatchResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[ReleaseResponse, _Mapping]]] = ...) -> None: ...
 
 class RekeyRequest(_message.Message):
-    __slots__ = ("cursor", "page_size")
+    __slots__ = ("cursor", "page_size", "retire_old_keys")
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RETIRE_OLD_KEYS_FIELD_NUMBER: _ClassVar[int]
     cursor: bytes
     page_size: int
-    def __init__(self, cursor: _Optional[bytes] = ..., page_size: _Optional[int] = ...) -> None: ...
+    retire_old_keys: bool
+    def __init__(self, cursor: _Optional[bytes] = ..., page_size: _Optional[int] = ..., retire_old_keys: _Optional[bool] = ...) -> None: ...
 
 class RekeyResponse(_message.Message):
-    __slots__ = ("examined", "resealed", "current", "erased", "unreadable", "next_cursor")
+    __slots__ = ("examined", "resealed", "current", "erased", "unreadable", "next_cursor", "retired_old_keys")
     EXAMINED_FIELD_NUMBER: _ClassVar[int]
     RESEALED_FIELD_NUMBER: _ClassVar[int]
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     ERASED_FIELD_NUMBER: _ClassVar[int]
     UNREADABLE_FIELD_NUMBER: _ClassVar[int]
     NEXT_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    RETIRED_OLD_KEYS_FIELD_NUMBER: _ClassVar[int]
     examined: int
     resealed: int
     current: int
     erased: int
     unreadable: int
     next_cursor: bytes
-    def __init__(self, examined: _Optional[int] = ..., resealed: _Optional[int] = ..., current: _Optional[int] = ..., erased: _Optional[int] = ..., unreadable: _Optional[int] = ..., next_cursor: _Optional[bytes] = ...) -> None: ...
+    retired_old_keys: bool
+    def __init__(self, examined: _Optional[int] = ..., resealed: _Optional[int] = ..., current: _Optional[int] = ..., erased: _Optional[int] = ..., unreadable: _Optional[int] = ..., next_cursor: _Optional[bytes] = ..., retired_old_keys: _Optional[bool] = ...) -> None: ...
