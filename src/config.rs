@@ -337,6 +337,11 @@ pub struct ServeArgs {
     /// within retention would be processed again.
     #[arg(long, env = "DEDUPD_HASH_CORRELATION_IDS", value_name = "KEY_FILE")]
     pub hash_correlation_ids: Option<PathBuf>,
+    /// How often the key files are read again: a key added to the Secret
+    /// (or a new sealing key) is used without a restart; removing a key
+    /// takes a restart.
+    #[arg(long, env = "DEDUPD_KEY_RELOAD_INTERVAL", default_value = "30s")]
+    pub key_reload_interval: humantime::Duration,
     /// The HTTP idempotency proxy (off unless --http-proxy-listen is set).
     #[command(flatten)]
     pub http_proxy: HttpProxyArgs,
@@ -881,6 +886,8 @@ pub struct Settings {
     pub key_files: KeyFiles,
     /// The key correlation IDs are hashed with before they reach the store.
     pub hash_correlation_ids: Option<PathBuf>,
+    /// How often the key files are read again.
+    pub key_reload_interval: Duration,
     /// Log format.
     pub log_format: LogFormat,
     /// Log filter.
@@ -1241,6 +1248,11 @@ impl ServeArgs {
                 erased: self.erased_key_id.clone(),
             },
             hash_correlation_ids: self.hash_correlation_ids.clone(),
+            key_reload_interval: check_duration_flag(
+                "key-reload-interval",
+                self.key_reload_interval.into(),
+                Duration::from_secs(24 * 3600),
+            )?,
             log_format: self.log_format,
             log_filter,
             worker_threads: self.worker_threads,

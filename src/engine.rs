@@ -25,7 +25,7 @@ use crate::{
     hashed_ids::IdHasher,
     key_registry, machine,
     metrics::Metrics,
-    sealing::{self, Binding, KeyId, Keyring, Unsealable},
+    sealing::{self, Binding, KeyId, Keyring, KeyringSlot, Unsealable},
     store::{Attempt, ScanCursor, Store},
     telemetry,
 };
@@ -35,8 +35,9 @@ pub struct Engine<S> {
     store: Arc<S>,
     clock: Arc<dyn Clock>,
     metrics: Arc<Metrics>,
-    /// Seals every answer before the store sees it ([`crate::sealing`]).
-    keyring: Option<Arc<Keyring>>,
+    /// Seals every answer before the store sees it ([`crate::sealing`]);
+    /// the keyring in force is taken per call (files may be reloaded).
+    keyring: Option<Arc<KeyringSlot>>,
     /// Hashes every correlation ID before the store sees it
     /// ([`crate::hashed_ids`]).
     ids: Option<Arc<IdHasher>>,
@@ -85,7 +86,24 @@ impl<S: Store> Engine<S> {
     /// opening every answer it reads (none is stored or answered in
     /// plaintext from then on).
     pub fn with_keyring(self, keyring: Option<Arc<Keyring>>) -> Self {
-        Engine { keyring, ..self }
+        Engine {
+            keyring: keyring.map(|keyring| Arc::new(KeyringSlot::new(keyring))),
+            ..self
+        }
+    }
+
+    /// The same engine, taking its keyring from `slot` for each call (a
+    /// slot whose key files are watched).
+    pub fn with_keyring_slot(self, slot: Option<Arc<KeyringSlot>>) -> Self {
+        Engine {
+            keyring: slot,
+            ..self
+        }
+    }
+
+    /// The keyring in force now.
+    fn keyring(&self) -> Option<Arc<Keyring>> {
+        self.keyring.as_ref().map(|slot| slot.current())
     }
 
     /// The same engine, handing the store a keyed hash of each correlation
@@ -348,11 +366,8 @@ impl<S: Store> Engine<S> {
                 return Ok(());
             }
         };
-        let known = |id| {
-            self.keyring
-                .as_ref()
-                .is_some_and(|keyring| keyring.knows(id))
-        };
+        let keyring = self.keyring();
+        let known = |id| keyring.as_ref().is_some_and(|keyring| keyring.knows(id));
         let now = self.clock.interval().earliest;
         let missing = key_registry::missing(&keys, now, longest_retention, known);
         if missing.is_empty() {
@@ -381,7 +396,7 @@ impl<S: Store> Engine<S> {
         limit: usize,
         retire_old_keys: bool,
     ) -> Result<RekeyPage, Error> {
-        let Some(keyring) = self.keyring.as_ref().filter(|keyring| keyring.seals()) else {
+        let Some(keyring) = self.keyring().filter(|keyring| keyring.seals()) else {
             return Err(Error::FailedPrecondition(
                 "rekey needs a sealing key (--encryption-key-file)".into(),
             ));
@@ -503,7 +518,8 @@ impl<S: Store> Engine<S> {
         &self,
         request: &CommitRequest,
     ) -> Result<Result<CommitOutcome, LeaseLost>, Error> {
-        let sealer = self.keyring.as_ref().filter(|keyring| keyring.seals());
+        let keyring = self.keyring();
+        let sealer = keyring.as_ref().filter(|keyring| keyring.seals());
         if sealer.is_none() && sealing::looks_sealed(&request.response) {
             // It would be refused when read back (see `opened`): say so now.
             return Err(Error::InvalidArgument(vec![FieldViolation::new(
@@ -586,7 +602,8 @@ impl<S: Store> Engine<S> {
             // freely.
             return Ok(record);
         }
-        let seals = self.keyring.as_ref().is_some_and(|keyring| keyring.seals());
+        let keyring = self.keyring();
+        let seals = keyring.as_ref().is_some_and(|keyring| keyring.seals());
         if !seals && !sealing::looks_sealed(&record.response) {
             // Sealing is off and this answer was stored as it is.
             return Ok(record);
@@ -596,7 +613,7 @@ impl<S: Store> Engine<S> {
             key: &stored_key,
             lease_token: record.lease_token,
         };
-        let opened = match &self.keyring {
+        let opened = match &keyring {
             Some(keyring) => keyring.open(&binding, &record.response),
             None => {
                 Keyring::key_id(&record.response).and_then(|id| Err(Unsealable::UnknownKey(id)))

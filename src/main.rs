@@ -396,6 +396,7 @@ fn configure(args: &ServeArgs) -> Result<(Settings, StoreSettings, ServerConfig)
         clock: Arc::new(SystemClock),
         ready_file: settings.ready_file.clone(),
         keyring: load_keyring(&settings)?,
+        key_reload: Some((settings.key_files.clone(), settings.key_reload_interval)),
         hashed_ids: settings
             .hash_correlation_ids
             .as_deref()

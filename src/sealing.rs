@@ -348,16 +348,20 @@ impl Keyring {
             .collect()
     }
 
+    /// Every key held, sealing or opening, of every namespace.
+    fn held_ids(&self) -> BTreeSet<KeyId> {
+        self.keys
+            .all()
+            .chain(self.namespaces.values().flat_map(Keys::all))
+            .map(|key| key.id)
+            .collect()
+    }
+
     /// Whether `id` is one of ours (sealing or opening, any namespace's)
     /// or declared erased: what the start-up check asks of every key the
     /// store holds answers under.
     pub fn knows(&self, id: KeyId) -> bool {
-        self.erased.contains(&id)
-            || self
-                .keys
-                .all()
-                .chain(self.namespaces.values().flat_map(Keys::all))
-                .any(|key| key.id == id)
+        self.erased.contains(&id) || self.held_ids().contains(&id)
     }
 
     /// Whether this keyring seals answers (it may only open them, or only
@@ -500,6 +504,71 @@ impl Keyring {
         let mut id = [0; ID_BYTES];
         id.copy_from_slice(&sealed[MAGIC.len()..MAGIC.len() + ID_BYTES]);
         Ok(KeyId(id))
+    }
+}
+
+/// The keyring in force: the engine takes the current one for each call,
+/// and [`KeyringSlot::watch`] swaps in a new one when the key files change
+/// (a Secret's keys added, rotated or removed), so no restart is needed.
+#[derive(Debug)]
+pub struct KeyringSlot {
+    current: std::sync::RwLock<std::sync::Arc<Keyring>>,
+}
+
+impl KeyringSlot {
+    /// A slot holding `keyring`.
+    pub fn new(keyring: std::sync::Arc<Keyring>) -> Self {
+        KeyringSlot {
+            current: std::sync::RwLock::new(keyring),
+        }
+    }
+
+    /// The keyring in force now.
+    pub fn current(&self) -> std::sync::Arc<Keyring> {
+        std::sync::Arc::clone(&self.current.read().expect("keyring lock"))
+    }
+
+    /// Reads `files` again; swaps the keyring in when keys were added or
+    /// their roles changed (a new key that seals). Returns the new
+    /// keyring's description when it swapped. Files that do not load (a
+    /// Secret caught halfway through an update) keep the current keyring
+    /// and are reported; so does a key gone from the files: removing a key
+    /// takes a restart, since a local tier may still hold answers it
+    /// sealed, and a key destroyed on purpose is declared by a flag.
+    pub fn reload(&self, files: &KeyFiles) -> Result<Option<String>, String> {
+        let loaded = Keyring::load(files)?.ok_or("no key flag given")?;
+        let described = loaded.describe();
+        let current = self.current();
+        if current.describe() == described {
+            return Ok(None);
+        }
+        if let Some(gone) = current.held_ids().difference(&loaded.held_ids()).next() {
+            return Err(format!(
+                "key {gone} is gone from the key files: a key is removed at the next restart"
+            ));
+        }
+        *self.current.write().expect("keyring lock") = std::sync::Arc::new(loaded);
+        Ok(Some(described))
+    }
+
+    /// Reloads from `files` every `interval`, for as long as the process
+    /// runs (file reads off the runtime's threads).
+    pub async fn watch(self: std::sync::Arc<Self>, files: KeyFiles, interval: std::time::Duration) {
+        let mut ticks = tokio::time::interval(interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        ticks.tick().await;
+        loop {
+            ticks.tick().await;
+            let (slot, files) = (std::sync::Arc::clone(&self), files.clone());
+            match tokio::task::spawn_blocking(move || slot.reload(&files)).await {
+                Ok(Ok(Some(keys))) => tracing::info!(%keys, "sealing keys reloaded"),
+                Ok(Ok(None)) => {}
+                Ok(Err(problem)) => {
+                    tracing::warn!(%problem, "sealing keys not reloaded; keeping the current ones")
+                }
+                Err(join) => tracing::warn!(%join, "sealing key reload task failed"),
+            }
+        }
     }
 }
 

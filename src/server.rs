@@ -36,7 +36,7 @@ use crate::{
         FILE_DESCRIPTOR_SET,
     },
     proxy::{self, server::ProxyConfig},
-    sealing::Keyring,
+    sealing::{KeyFiles, Keyring, KeyringSlot},
     service::DedupService,
     store::Store,
 };
@@ -68,6 +68,9 @@ pub struct ServerConfig {
     pub keyring: Option<Arc<Keyring>>,
     /// Hashes every stored correlation ID, when set.
     pub hashed_ids: Option<Arc<IdHasher>>,
+    /// The key files `keyring` came from and how often to read them again
+    /// (a rotated Secret needs no restart); `None`: never.
+    pub key_reload: Option<(KeyFiles, Duration)>,
     /// What one connection may hold, and how many there may be.
     pub connections: ConnectionLimits,
 }
@@ -114,6 +117,7 @@ impl Default for ServerConfig {
             ready_file: None,
             keyring: None,
             hashed_ids: None,
+            key_reload: None,
             connections: ConnectionLimits::default(),
         }
     }
@@ -164,9 +168,19 @@ pub async fn run<S: Store>(
         // A file left by a process that was killed names its old ports.
         let _ = std::fs::remove_file(path);
     }
+    let keyring = config
+        .keyring
+        .clone()
+        .map(|keyring| Arc::new(KeyringSlot::new(keyring)));
+    let _key_reload = match (&keyring, &config.key_reload) {
+        (Some(slot), Some((files, interval))) => Some(AbortOnDrop(tokio::spawn(
+            Arc::clone(slot).watch(files.clone(), *interval),
+        ))),
+        _ => None,
+    };
     let engine = Engine::new(Arc::clone(&store), Arc::clone(&config.clock))
         .with_metrics(Arc::clone(&config.metrics))
-        .with_keyring(config.keyring.clone())
+        .with_keyring_slot(keyring)
         .with_hashed_ids(config.hashed_ids.clone());
     let limits = Arc::new(config.limits.clone());
     let (health, health_service) = tonic_health::server::health_reporter();

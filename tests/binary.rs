@@ -1065,3 +1065,77 @@ fn a_sidecar_without_a_key_its_store_needs_refuses_to_start() {
         assert_eq!(code, Some(0));
     }
 }
+
+/// Key files are read again while the sidecar runs: a key added to the
+/// directory (sorting last) seals from then on — `rekey` finds the answer
+/// the first key sealed to re-seal — and a key taken away is kept until
+/// the next restart (what it sealed still opens).
+#[test]
+fn a_key_added_to_the_directory_seals_without_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys");
+    std::fs::create_dir(&keys).unwrap();
+    std::fs::write(keys.join("2026.key"), "e5".repeat(32)).unwrap();
+    let data = dir.path().join("data");
+    let keys_flag = keys.to_str().unwrap().to_owned();
+    let mut sidecar = Sidecar::start_with(
+        &data,
+        &[
+            "--encryption-key-file",
+            &keys_flag,
+            "--key-reload-interval",
+            "100ms",
+        ],
+    );
+    let commit = |id: &str| {
+        let (_, stdout, _) = cli(sidecar.addr, &["claim", id, "--json"]);
+        let claimed: Value = serde_json::from_str(&stdout).unwrap();
+        let token = claimed["lease_token"].as_str().unwrap().to_owned();
+        let (code, stdout, _) = cli(
+            sidecar.addr,
+            &[
+                "commit",
+                id,
+                "--lease-token",
+                &token,
+                "--response",
+                &format!("answer {id}"),
+            ],
+        );
+        assert_eq!(code, 0, "{stdout}");
+    };
+    commit("k-1");
+    std::fs::write(keys.join("2027.key"), "f6".repeat(32)).unwrap();
+    // Re-sealing finds k-1 once the new key is in force.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (code, stdout, _) = cli(sidecar.addr, &["rekey", "--json"]);
+        assert_eq!(code, 0, "{stdout}");
+        let report: Value = serde_json::from_str(&stdout).unwrap();
+        if report["resealed"] == 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the new key never sealed: {stdout}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    commit("k-2");
+    std::fs::remove_file(keys.join("2027.key")).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    for id in ["k-1", "k-2"] {
+        let (code, stdout, _) = cli(sidecar.addr, &["lookup", id, "--json"]);
+        assert_eq!(code, 0, "{stdout}");
+        let looked: Value = serde_json::from_str(&stdout).unwrap();
+        assert_eq!(
+            looked["record"]["response"],
+            format!("answer {id}"),
+            "{stdout}"
+        );
+    }
+    let (code, log) = common::sidecar::terminate(&mut sidecar, Duration::from_secs(15));
+    assert_eq!(code, Some(0), "{log}");
+    assert!(log.contains("sealing keys reloaded"), "{log}");
+    assert!(log.contains("is gone from the key files"), "{log}");
+}

@@ -7,7 +7,9 @@
 //! Why a committed record may be kept: the state machine never changes a
 //! live one (protocol §2) — it only expires (a kept copy is used only while
 //! live by the engine's clock: after that the key may be claimed again) or
-//! is deleted by Forget. Deletions reach every
+//! is deleted by Forget. (A rekey pass re-seals a committed record's answer
+//! under a newer key: a kept copy under the old key still opens, as no key
+//! is dropped before a restart, which empties the tier.) Deletions reach every
 //! sidecar through the shared store's [`DeletionFeed`]; while the feed is
 //! not connected the tier is cleared and off, so a deletion missed while
 //! disconnected can never be answered from it. What remains is the feed's
