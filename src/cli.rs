@@ -376,15 +376,27 @@ async fn rekey(
     let mut cursor = Vec::new();
     let mut pages = 0u64;
     let retired = loop {
-        let page = client
-            .rekey(pb::RekeyRequest {
-                cursor: std::mem::take(&mut cursor),
-                page_size,
-                // Retire the old keys only after a pass where all opened.
-                retire_old_keys: totals[4] == 0,
-            })
-            .await?
-            .into_inner();
+        let request = pb::RekeyRequest {
+            cursor: std::mem::take(&mut cursor),
+            page_size,
+            // Retire the old keys only after a pass where all opened.
+            retire_old_keys: totals[4] == 0,
+        };
+        // A page the sidecar could not answer (its store away a moment) is
+        // asked again from the same place, not the whole pass.
+        let mut pause = Duration::from_millis(200);
+        let page = loop {
+            match client.rekey(request.clone()).await {
+                Err(status)
+                    if status.code() == Code::Unavailable && pause < Duration::from_secs(5) =>
+                {
+                    eprintln!("rekey: page {}: {}; retrying", pages + 1, status.message());
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                }
+                answered => break answered?.into_inner(),
+            }
+        };
         pages += 1;
         for (total, figure) in totals.iter_mut().zip([
             page.examined,

@@ -258,9 +258,14 @@ impl<S: Store> Engine<S> {
             {
                 Ok(outcome) => outcomes.push(outcome),
                 Err(error) => {
-                    // The call fails: what earlier items took is given back.
-                    for (done, outcome) in requests.iter().zip(&outcomes) {
-                        done.undo(self, outcome).await;
+                    // The call fails: what earlier items took is given back
+                    // — unless the store itself failed, where giving back
+                    // would wait out its timeout per item, and the leases
+                    // end by themselves.
+                    if !error.may_pass() {
+                        for (done, outcome) in requests.iter().zip(&outcomes) {
+                            done.undo(self, outcome).await;
+                        }
                     }
                     return Err(error);
                 }
@@ -408,14 +413,18 @@ impl<S: Store> Engine<S> {
             .instrument(telemetry::store_span(self.store.kind()))
             .await?;
         let mut page = RekeyPage {
-            examined: scanned.records.len() as u64,
+            examined: scanned.keys.len() as u64,
             next: scanned.next,
             ..RekeyPage::default()
         };
-        for (stored_key, record) in &scanned.records {
+        for stored_key in &scanned.keys {
             // Keys as the store holds them: a sealed answer is bound to
-            // those (see `commit_unsynced`), hashed IDs included.
-            let answered = machine::live(Some(record), now)
+            // those (see `commit_unsynced`), hashed IDs included. One record
+            // read at a time: a page's memory does not grow with answers.
+            let Some(record) = self.store.get(stored_key).await? else {
+                continue;
+            };
+            let answered = machine::live(Some(&record), now)
                 .is_some_and(|record| record.state == RecordState::Committed);
             if !answered || !sealing::looks_sealed(&record.response) {
                 continue;
@@ -442,10 +451,12 @@ impl<S: Store> Engine<S> {
                 }
             };
             let resealed = keyring.seal(&binding, &answer);
+            let mut at = now;
             let replaced = self
                 .store
-                .update(stored_key, |current, _| {
-                    Ok(machine::reseal(current, record, &resealed))
+                .update(stored_key, |current, attempt| {
+                    let now = self.attempt_time(&mut at, &attempt)?;
+                    Ok(machine::reseal(current, &record, &resealed, now))
                 })
                 .await?;
             if replaced {
@@ -731,7 +742,14 @@ impl Step for ClaimRequest {
     /// the lease ends. Released (best effort: if this fails too, the lease
     /// ends by itself).
     async fn undo<S: Store>(&self, engine: &Engine<S>, outcome: &ClaimOutcome) {
-        let ClaimOutcome::Claimed { record, .. } = outcome else {
+        // A claim that recovered a dead holder's stays: released, the next
+        // claim would no longer say the previous holder may have done the
+        // work (`recovered` is told only over a claimed record).
+        let ClaimOutcome::Claimed {
+            record,
+            recovered: false,
+        } = outcome
+        else {
             return;
         };
         let release = ReleaseRequest {
@@ -785,6 +803,73 @@ mod tests {
             ReapReport, StoreStats,
         },
     };
+
+    fn key(id: &str) -> Key {
+        Key::from_bytes(format!("default\0{id}").as_bytes()).unwrap()
+    }
+
+    fn claim(id: &str) -> ClaimRequest {
+        ClaimRequest::plain(key(id), Duration::from_secs(30), Duration::from_secs(3600))
+    }
+
+    /// A ClaimBatch failing on a later item gives back the claims earlier
+    /// items took — but not one that recovered a dead holder's key, whose
+    /// next claim must still say so.
+    #[tokio::test]
+    async fn a_failed_batch_gives_back_its_claims_but_keeps_a_recovered_one() {
+        let clock = ManualClock::new(UnixMillis(1_800_000_000_000));
+        let store = Arc::new(MemoryStore::new());
+        let sealing = |byte| {
+            Engine::new(Arc::clone(&store), Arc::new(clock.clone()))
+                .with_keyring(Some(Arc::new(Keyring::from_bytes(&[[byte; 32]]).unwrap())))
+        };
+        let (old, new) = (sealing(1), sealing(2));
+        // "paid": committed under a key the second engine does not have.
+        let ClaimOutcome::Claimed { record, .. } = old.claim(&claim("paid")).await.unwrap() else {
+            panic!("claimed")
+        };
+        old.commit(&crate::domain::CommitRequest {
+            key: key("paid"),
+            lease_token: record.lease_token,
+            response: b"receipt".to_vec(),
+            retention: None,
+        })
+        .await
+        .unwrap();
+        // "dead": claimed by a holder that dies, maybe after its write.
+        new.claim(&claim("dead")).await.unwrap();
+        clock.advance(Duration::from_secs(31));
+        let failed = new
+            .claim_batch(&[claim("fresh"), claim("dead"), claim("paid")])
+            .await;
+        assert!(
+            matches!(failed, Err(Error::KeyNotConfigured(_))),
+            "{failed:?}"
+        );
+        let fresh = new.claim(&claim("fresh")).await.unwrap();
+        assert!(
+            matches!(
+                fresh,
+                ClaimOutcome::Claimed {
+                    recovered: false,
+                    ..
+                }
+            ),
+            "given back: {fresh:?}"
+        );
+        clock.advance(Duration::from_secs(31));
+        let dead = new.claim(&claim("dead")).await.unwrap();
+        assert!(
+            matches!(
+                dead,
+                ClaimOutcome::Claimed {
+                    recovered: true,
+                    ..
+                }
+            ),
+            "still told the holder died: {dead:?}"
+        );
+    }
 
     /// A pod's estimate of the store's clock: the true time (`truth`) plus
     /// `offset_ms`, uncertain by `doubt_ms` — a pod at one end of its bound.

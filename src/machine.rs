@@ -255,12 +255,17 @@ pub fn forget(current: Option<&Record>, now: impl Into<Now>) -> (Change, bool) {
 }
 
 /// Rekey (admin): `read`'s answer, sealed anew, in place of its old
-/// sealing — only while the record is still the committed one that was
-/// read (same claim, same stored answer), so a record claimed, committed,
-/// forgotten or re-sealed meanwhile is left as it is. Reports whether it
-/// was replaced.
-pub fn reseal(current: Option<&Record>, read: &Record, resealed: &[u8]) -> (Change, bool) {
-    match current {
+/// sealing — only while the record is still the live committed one that
+/// was read (same claim, same stored answer), so a record claimed,
+/// committed, forgotten, expired or re-sealed meanwhile is left as it is.
+/// Reports whether it was replaced.
+pub fn reseal(
+    current: Option<&Record>,
+    read: &Record,
+    resealed: &[u8],
+    now: impl Into<Now>,
+) -> (Change, bool) {
+    match live(current, now) {
         Some(current)
             if current.state == RecordState::Committed
                 && current.lease_token == read.lease_token
@@ -361,6 +366,42 @@ mod tests {
 
     fn claimed_record() -> Record {
         put(claim_with(None, &claim_request(), T0, 1, 10).0)
+    }
+
+    /// Rekey replaces only the live committed record it read: never one
+    /// gone, claimed, committed by another claim, re-sealed meanwhile, or
+    /// expired; and it changes the answer's bytes only.
+    #[test]
+    fn reseal_replaces_only_the_record_it_read() {
+        let read = committed_record();
+        let now = at(Duration::from_secs(2));
+        let (change, replaced) = reseal(Some(&read), &read, b"sealed anew", now);
+        assert!(replaced);
+        assert_eq!(
+            put(change),
+            Record {
+                response: b"sealed anew".to_vec(),
+                ..read.clone()
+            }
+        );
+        let other_claim = Record {
+            lease_token: LeaseToken(2),
+            ..read.clone()
+        };
+        let other_bytes = Record {
+            response: b"sealed by someone else".to_vec(),
+            ..read.clone()
+        };
+        for (case, current, now) in [
+            ("forgotten", None, now),
+            ("claimed again", Some(claimed_record()), now),
+            ("another claim's commit", Some(other_claim), now),
+            ("re-sealed meanwhile", Some(other_bytes), now),
+            ("expired", Some(read.clone()), read.retain_until),
+        ] {
+            let (change, replaced) = reseal(current.as_ref(), &read, b"sealed anew", now);
+            assert!(matches!(change, Change::Keep) && !replaced, "{case}");
+        }
     }
 
     fn committed_record() -> Record {

@@ -7,7 +7,10 @@
 
 mod common;
 
-use std::sync::Arc;
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    sync::Arc,
+};
 
 use common::{postgres, redis, *};
 use dedupd::{
@@ -648,20 +651,22 @@ async fn destroying_a_namespace_key_erases_only_its_answers() {
     server.stop().await.expect("clean stop");
 }
 
-/// The key ID every live committed answer of `store` is sealed with.
-async fn sealing_key_ids<S: Store>(store: &S) -> Vec<(String, KeyId)> {
-    let mut ids = Vec::new();
+/// The key ID every committed answer of `store` is sealed with, by
+/// correlation ID (a Redis SCAN may hand a key back twice).
+async fn sealing_key_ids<S: Store>(store: &S) -> BTreeMap<String, KeyId> {
+    let mut ids = BTreeMap::new();
     let mut cursor = ScanCursor::default();
     loop {
         let page = store.scan(&cursor, 64).await.expect("scan");
-        for (key, record) in page.records {
+        for key in page.keys {
             // The store's record of which keys sealed answers is no answer.
             if key == dedupd::key_registry::registry_key() {
                 continue;
             }
+            let record = store.get(&key).await.expect("get").expect("a record");
             if record.state == dedupd::domain::RecordState::Committed {
                 let id = Keyring::key_id(&record.response).expect("a sealed answer");
-                ids.push((key.correlation_id().to_owned(), id));
+                ids.insert(key.correlation_id().to_owned(), id);
             }
         }
         match page.next {
@@ -672,13 +677,19 @@ async fn sealing_key_ids<S: Store>(store: &S) -> Vec<(String, KeyId)> {
 }
 
 /// Rotation under load: answers sealed with the old key, then a new key
-/// added while consumers keep claiming, committing and replaying, and a
-/// rekey pass running through the store at the same time. Nothing is lost
-/// — every answer, old and new, replays as committed — no answer is left
-/// under the old key, and a sidecar without the old key then answers every
-/// duplicate.
+/// added while consumers keep claiming, committing, replaying, forgetting
+/// and committing again, and a rekey pass running through the store at the
+/// same time (the load goes on until the pass is through). Nothing is lost
+/// — every answer, old and new, replays as committed — nothing forgotten
+/// comes back, nothing committed again is overwritten by its old answer,
+/// no answer is left under the old key, and a sidecar without the old key
+/// then answers every duplicate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rotation_under_load_then_rekey_leaves_nothing_under_the_old_key() {
+    // old-0..KEPT stay; old-KEPT..FORGOTTEN are forgotten during the pass;
+    // old-FORGOTTEN..OLD are forgotten and committed again.
+    const KEPT: usize = 100;
+    const FORGOTTEN: usize = 110;
     const OLD: usize = 120;
     const NEW_PER_WORKER: usize = 40;
     const WORKERS: usize = 4;
@@ -717,16 +728,21 @@ async fn rotation_under_load_then_rekey_leaves_nothing_under_the_old_key() {
         .config(with(&[[0x41; 32], [0x42; 32]]))
         .start()
         .await;
+    let through = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut workers = Vec::new();
     for worker in 0..WORKERS {
         let mut client = rotated.client().await;
+        let through = Arc::clone(&through);
         workers.push(tokio::spawn(async move {
-            for i in 0..NEW_PER_WORKER {
-                let id = format!("new-{worker}-{i}");
-                claim_and_commit(&mut client, &id, format!("new answer {worker} {i}").into())
-                    .await
-                    .expect("commit under load");
-                let old = (worker * NEW_PER_WORKER + i) % OLD;
+            let mut i = 0;
+            while i < NEW_PER_WORKER || !through.load(std::sync::atomic::Ordering::SeqCst) {
+                if i < NEW_PER_WORKER {
+                    let id = format!("new-{worker}-{i}");
+                    claim_and_commit(&mut client, &id, format!("new answer {worker} {i}").into())
+                        .await
+                        .expect("commit under load");
+                }
+                let old = (worker * NEW_PER_WORKER + i) % KEPT;
                 let replay = claim(&mut client, claim_request(&format!("old-{old}"))).await;
                 assert_eq!(outcome(&replay), pb::ClaimOutcome::Duplicate);
                 assert_eq!(
@@ -734,7 +750,27 @@ async fn rotation_under_load_then_rekey_leaves_nothing_under_the_old_key() {
                     format!("old answer {old}").as_bytes(),
                     "an old answer replays during the pass"
                 );
+                // One worker forgets some old records, and commits some of
+                // them again, while the pass runs.
+                let gone = KEPT + i;
+                if worker == 0 && gone < OLD {
+                    let id = format!("old-{gone}");
+                    client
+                        .forget(pb::ForgetRequest {
+                            correlation_id: id.clone(),
+                            ..Default::default()
+                        })
+                        .await
+                        .expect("forget");
+                    if gone >= FORGOTTEN {
+                        claim_and_commit(&mut client, &id, format!("again {gone}").into())
+                            .await
+                            .expect("commit again");
+                    }
+                }
+                i += 1;
             }
+            i
         }));
     }
     let mut admin = rotated.client().await;
@@ -759,57 +795,183 @@ async fn rotation_under_load_then_rekey_leaves_nothing_under_the_old_key() {
         cursor = page.next_cursor;
         tokio::task::yield_now().await;
     }
+    through.store(true, std::sync::atomic::Ordering::SeqCst);
     for worker in workers {
-        worker.await.expect("a worker");
+        let rounds = worker.await.expect("a worker");
+        assert!(rounds >= NEW_PER_WORKER, "{rounds}");
     }
     assert!(pages > 1, "the pass went page by page");
-    assert_eq!(resealed, OLD as u64, "every old answer re-sealed once");
-    let ids = sealing_key_ids(rotated.store.as_ref()).await;
-    assert_eq!(ids.len(), OLD + WORKERS * NEW_PER_WORKER, "nothing lost");
     assert!(
-        ids.iter().all(|(_, id)| *id == new_id),
-        "no answer left under the old key: {:?}",
-        ids.iter()
-            .filter(|(_, id)| *id != new_id)
-            .collect::<Vec<_>>()
+        (KEPT as u64..=OLD as u64).contains(&resealed),
+        "every old answer still there re-sealed once: {resealed}"
     );
     // A second pass finds nothing to do.
-    let again = admin
-        .rekey(pb::RekeyRequest {
-            cursor: Vec::new(),
-            page_size: 10_000,
-            retire_old_keys: false,
-        })
-        .await
-        .expect("rekey")
-        .into_inner();
-    assert_eq!(again.resealed, 0);
-    assert!(again.next_cursor.is_empty() || again.examined > 0);
+    let mut cursor = Vec::new();
+    loop {
+        let again = admin
+            .rekey(pb::RekeyRequest {
+                cursor,
+                page_size: 64,
+                retire_old_keys: false,
+            })
+            .await
+            .expect("rekey")
+            .into_inner();
+        assert_eq!(again.resealed, 0, "{again:?}");
+        if again.next_cursor.is_empty() {
+            break;
+        }
+        cursor = again.next_cursor;
+    }
     rotated.stop_in_place().await.expect("clean stop");
     drop(rotated);
 
-    // The old key removed: every answer still replays.
+    // The old key removed: every answer still replays, the forgotten stay
+    // forgotten, and those committed again keep their new answers.
     let server = TestServer::builder()
         .in_dir(dir, clock)
         .in_space(space)
         .config(with(&[[0x42; 32]]))
         .start()
         .await;
+    // Read after the restart: a shared store's local tier (emptied by it)
+    // may have kept, until then, a copy a replay read just before the
+    // re-seal — valid under the old key, which is only removed by a restart.
+    let ids = sealing_key_ids(server.store.as_ref()).await;
+    let expected: BTreeSet<String> = (0..KEPT)
+        .chain(FORGOTTEN..OLD)
+        .map(|i| format!("old-{i}"))
+        .chain((0..WORKERS).flat_map(|w| (0..NEW_PER_WORKER).map(move |i| format!("new-{w}-{i}"))))
+        .collect();
+    // With hashed IDs the store holds hashes: compare counts, then check
+    // each by its ID below.
+    assert_eq!(
+        ids.len(),
+        expected.len(),
+        "nothing lost, nothing forgotten back"
+    );
+    assert!(
+        ids.values().all(|id| *id == new_id),
+        "no answer left under the old key: {ids:?}"
+    );
     let mut client = server.client().await;
+    let looked = |id: String| {
+        let mut client = client.clone();
+        async move {
+            client
+                .lookup(pb::LookupRequest {
+                    correlation_id: id,
+                    ..Default::default()
+                })
+                .await
+                .expect("lookup")
+                .into_inner()
+                .record
+                .map(|record| record.response)
+        }
+    };
     for i in 0..OLD {
-        let replay = claim(&mut client, claim_request(&format!("old-{i}"))).await;
-        assert_eq!(
-            replay.record.unwrap().response,
-            format!("old answer {i}").as_bytes()
-        );
+        let answer = looked(format!("old-{i}")).await;
+        let wanted = match i {
+            i if i < KEPT => Some(format!("old answer {i}").into_bytes()),
+            i if i < FORGOTTEN => None,
+            i => Some(format!("again {i}").into_bytes()),
+        };
+        assert_eq!(answer, wanted, "old-{i}");
     }
     for worker in 0..WORKERS {
-        let i = NEW_PER_WORKER - 1;
-        let replay = claim(&mut client, claim_request(&format!("new-{worker}-{i}"))).await;
-        assert_eq!(
-            replay.record.unwrap().response,
-            format!("new answer {worker} {i}").as_bytes()
-        );
+        for i in 0..NEW_PER_WORKER {
+            let answer = looked(format!("new-{worker}-{i}")).await;
+            assert_eq!(
+                answer,
+                Some(format!("new answer {worker} {i}").into_bytes())
+            );
+        }
     }
+    let replay = claim(&mut client, claim_request("old-0")).await;
+    assert_eq!(outcome(&replay), pb::ClaimOutcome::Duplicate);
+    server.stop().await.expect("clean stop");
+}
+
+/// With hashed IDs every call finds its record by the caller's ID: Renew,
+/// Release, Commit, a ClaimBatch's duplicate, Lookup and Forget (and a
+/// claim after Forget starts afresh) — each would miss it, or find a
+/// record under the plain ID, if one store access skipped the hash.
+#[tokio::test]
+async fn hashed_ids_reach_every_call() {
+    let server = TestServer::builder()
+        .config(|config| config.hashed_ids = Some(Arc::new(IdHasher::from_bytes(&[0x77; 32]))))
+        .start()
+        .await;
+    let mut client = server.client().await;
+    let first = claim(&mut client, claim_request("alice@example.com")).await;
+    client
+        .renew(pb::RenewRequest {
+            correlation_id: "alice@example.com".into(),
+            lease_token: first.lease_token.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("renew finds the claim");
+    let released = client
+        .release(pb::ReleaseRequest {
+            correlation_id: "alice@example.com".into(),
+            lease_token: first.lease_token.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("release")
+        .into_inner();
+    assert_eq!(released.outcome, pb::ReleaseOutcome::Released as i32);
+    let again = claim(&mut client, claim_request("alice@example.com")).await;
+    assert_eq!(outcome(&again), pb::ClaimOutcome::Claimed);
+    client
+        .commit(pb::CommitRequest {
+            response: b"done".to_vec(),
+            ..commit_request("alice@example.com", &again.lease_token)
+        })
+        .await
+        .expect("commit finds the claim");
+    let batch = client
+        .claim_batch(pb::ClaimBatchRequest {
+            items: vec![
+                claim_request("alice@example.com"),
+                claim_request("bob@example.com"),
+            ],
+        })
+        .await
+        .expect("batch")
+        .into_inner()
+        .results;
+    assert_eq!(outcome(&batch[0]), pb::ClaimOutcome::Duplicate);
+    assert_eq!(batch[0].record.as_ref().unwrap().response, b"done");
+    assert_eq!(
+        batch[0].record.as_ref().unwrap().correlation_id,
+        "alice@example.com"
+    );
+    assert_eq!(outcome(&batch[1]), pb::ClaimOutcome::Claimed);
+    let forgotten = client
+        .forget(pb::ForgetRequest {
+            correlation_id: "alice@example.com".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("forget")
+        .into_inner();
+    assert!(forgotten.existed);
+    let looked = client
+        .lookup(pb::LookupRequest {
+            correlation_id: "alice@example.com".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("lookup")
+        .into_inner();
+    assert!(!looked.found);
+    let fresh = claim(&mut client, claim_request("alice@example.com")).await;
+    assert_eq!(outcome(&fresh), pb::ClaimOutcome::Claimed);
+    // The store holds the hash, never the ID.
+    let plain = Key::from_bytes(b"default\0alice@example.com").unwrap();
+    assert!(server.store.get(&plain).await.expect("get").is_none());
     server.stop().await.expect("clean stop");
 }

@@ -48,17 +48,17 @@ impl Store for MemoryStore {
         let state = self.lock();
         let after = Key::from_bytes(&cursor.0);
         let limit = limit.max(1);
-        let records: Vec<(Key, Record)> = state
+        let keys: Vec<Key> = state
             .records
-            .iter()
-            .filter(|(key, _)| after.as_ref().is_none_or(|after| *key > after))
+            .keys()
+            .filter(|key| after.as_ref().is_none_or(|after| *key > after))
             .take(limit)
-            .map(|(key, record)| (key.clone(), record.clone()))
+            .cloned()
             .collect();
-        let next = (records.len() == limit)
-            .then(|| records.last().map(|(key, _)| ScanCursor(key.to_bytes())))
+        let next = (keys.len() == limit)
+            .then(|| keys.last().map(|key| ScanCursor(key.to_bytes())))
             .flatten();
-        Ok(ScanPage { records, next })
+        Ok(ScanPage { keys, next })
     }
 
     async fn update<T, F>(&self, key: &Key, mut apply: F) -> Result<T, Error>

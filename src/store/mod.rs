@@ -114,12 +114,13 @@ pub struct StoreStats {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ScanCursor(pub Vec<u8>);
 
-/// One page of a pass over every record ([`Store::scan`]).
+/// One page of a pass over every record ([`Store::scan`]): keys only, so
+/// a page's memory does not grow with the answers stored (the caller reads
+/// and changes each record in its own update).
 #[derive(Debug, Default)]
 pub struct ScanPage {
-    /// Records under their keys, expired ones included (the caller applies
-    /// expiry).
-    pub records: Vec<(Key, Record)>,
+    /// The keys of the page's records, expired ones included.
+    pub keys: Vec<Key>,
     /// Where the next page starts; `None` once the pass is through.
     pub next: Option<ScanCursor>,
 }
@@ -183,7 +184,7 @@ pub trait Store: Send + Sync + 'static {
         self.health()
     }
 
-    /// About `limit` records from `cursor` on, for a pass over every record
+    /// The keys of about `limit` records from `cursor` on, for a pass over every record
     /// (re-sealing answers under a new key). A record written or removed
     /// during the pass may or may not be in it; every record there through
     /// the whole pass is in it once (on a Redis Cluster whose slots move

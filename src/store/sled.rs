@@ -1178,14 +1178,14 @@ impl Store for SledStore {
         };
         let mut page = ScanPage::default();
         let mut last = None;
-        for entry in range.take(limit.max(1)) {
-            let (key_bytes, value) = entry?;
+        for key_bytes in range.keys().take(limit.max(1)) {
+            let key_bytes = key_bytes?;
             let key = Key::from_bytes(&key_bytes)
                 .ok_or_else(|| Error::Corrupt(format!("a record key {key_bytes:?}")))?;
-            page.records.push((key, decode_record(&value)?));
+            page.keys.push(key);
             last = Some(key_bytes.to_vec());
         }
-        if page.records.len() >= limit.max(1) {
+        if page.keys.len() >= limit.max(1) {
             page.next = last.map(ScanCursor);
         }
         Ok(page)

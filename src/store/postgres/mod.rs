@@ -449,14 +449,13 @@ impl Store for PostgresStore {
             .await?;
         let mut page = ScanPage::default();
         for row in &rows {
-            let key = Key::new_unchecked(row.get("namespace"), row.get("correlation_id"));
-            page.records.push((key, record_from_row(row)?));
+            page.keys.push(Key::new_unchecked(
+                row.get("namespace"),
+                row.get("correlation_id"),
+            ));
         }
-        if page.records.len() == limit {
-            page.next = page
-                .records
-                .last()
-                .map(|(key, _)| ScanCursor(key.to_bytes()));
+        if page.keys.len() == limit {
+            page.next = page.keys.last().map(|key| ScanCursor(key.to_bytes()));
         }
         Ok(page)
     }

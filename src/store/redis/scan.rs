@@ -2,9 +2,12 @@
 //! `SCAN … MATCH <prefix>:r:*` on one primary, or on each primary of a
 //! cluster in turn (a node's `SCAN` sees only its own keys). The cursor is
 //! the node's place in the cluster's list of primaries (by their first
-//! slot) and that node's `SCAN` cursor. `SCAN` may hand a key back more
-//! than once; a key there through the whole pass is handed back at least
-//! once, unless a cluster's slots move during it (then run the pass again).
+//! slot) and that node's `SCAN` cursor, with a fingerprint of the nodes (a
+//! cluster's primaries and their ranges, or one primary's `run_id`): a
+//! `SCAN` cursor means nothing on another node, so a pass that meets a
+//! failover or moved slots stops (FAILED_PRECONDITION) rather than skip
+//! keys. `SCAN` may hand a key back more than once; a key there through
+//! the whole pass is handed back at least once.
 //!
 //! [`Store::scan`]: crate::store::Store::scan
 
@@ -13,8 +16,8 @@ use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr
 use super::RedisStore;
 use crate::{
     domain::Key,
-    error::Error,
-    store::{ScanCursor, ScanPage, Store},
+    error::{Error, FieldViolation},
+    store::{ScanCursor, ScanPage},
 };
 
 impl RedisStore {
@@ -23,11 +26,20 @@ impl RedisStore {
         cursor: &ScanCursor,
         limit: usize,
     ) -> Result<ScanPage, Error> {
-        let (node, at) = parse_cursor(&cursor.0)?;
-        let nodes = self.scan_nodes().await?;
+        let (nodes, fingerprint) = self.scan_nodes().await?;
+        let (node, at) = match parse_cursor(&cursor.0)? {
+            None => (0, 0),
+            Some((seen, node, at)) if seen == fingerprint => (node, at),
+            Some(_) => {
+                return Err(Error::FailedPrecondition(
+                    "Redis's primaries changed during the pass (a failover, or slots moved): \
+                     run it again from the start"
+                        .into(),
+                ))
+            }
+        };
         let Some(&slot) = nodes.get(node) else {
-            // The cluster shrank since the pass began: it is through.
-            return Ok(ScanPage::default());
+            return Err(not_a_cursor());
         };
         let pattern = format!("{}:r:*", self.inner.prefix);
         let mut scan = redis::cmd("SCAN");
@@ -58,25 +70,32 @@ impl RedisStore {
                 .and_then(|rest| rest.split_once('/'))
                 .map(|(namespace, id)| Key::new_unchecked(namespace.to_owned(), id.to_owned()))
                 .ok_or_else(|| Error::Corrupt(format!("a record key {name:?}")))?;
-            // Read as any call reads (witnessed and fenced where it must be).
-            if let Some(record) = self.get(&key).await? {
-                page.records.push((key, record));
-            }
+            page.keys.push(key);
         }
         page.next = match (next_at, node + 1 < nodes.len()) {
             (0, false) => None,
-            (0, true) => Some(cursor_of(node + 1, 0)),
-            (at, _) => Some(cursor_of(node, at)),
+            (0, true) => Some(cursor_of(&fingerprint, node + 1, 0)),
+            (at, _) => Some(cursor_of(&fingerprint, node, at)),
         };
         Ok(page)
     }
 
-    /// The nodes a pass goes through: one primary (`None`: wherever the
+    /// The nodes a pass goes through — one primary (`None`: wherever the
     /// connection goes), or on a cluster each primary named by its first
-    /// slot, in slot order.
-    async fn scan_nodes(&self) -> Result<Vec<Option<u16>>, Error> {
+    /// slot, in slot order — and their fingerprint.
+    async fn scan_nodes(&self) -> Result<(Vec<Option<u16>>, String), Error> {
         if !self.is_cluster() {
-            return Ok(vec![None]);
+            let info = redis::cmd("INFO").arg("server").clone();
+            let info = &info;
+            let text: String = self
+                .call(|mut connection| async move { info.query_async(&mut connection).await })
+                .await?;
+            let run_id = text
+                .lines()
+                .find_map(|line| line.strip_prefix("run_id:"))
+                .unwrap_or_default()
+                .trim();
+            return Ok((vec![None], fingerprint(run_id)));
         }
         let slots = redis::cmd("CLUSTER").arg("SLOTS").clone();
         let slots = &slots;
@@ -106,25 +125,52 @@ impl RedisStore {
             }
         }
         primaries.sort();
-        Ok(primaries.into_iter().map(|(slot, _)| Some(slot)).collect())
+        let described: String = primaries
+            .iter()
+            .map(|(slot, node)| format!("{slot} {node}\n"))
+            .collect();
+        Ok((
+            primaries.into_iter().map(|(slot, _)| Some(slot)).collect(),
+            fingerprint(&described),
+        ))
     }
 }
 
-fn cursor_of(node: usize, at: u64) -> ScanCursor {
-    ScanCursor(format!("{node}:{at}").into_bytes())
+/// 16 hex digits naming `nodes`.
+fn fingerprint(nodes: &str) -> String {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(nodes.as_bytes());
+    digest[..8]
+        .iter()
+        .map(|byte| format!("{byte:02x}"))
+        .collect()
 }
 
-fn parse_cursor(bytes: &[u8]) -> Result<(usize, u64), Error> {
+fn cursor_of(fingerprint: &str, node: usize, at: u64) -> ScanCursor {
+    ScanCursor(format!("{fingerprint}:{node}:{at}").into_bytes())
+}
+
+fn not_a_cursor() -> Error {
+    Error::InvalidArgument(vec![FieldViolation::new(
+        "cursor",
+        "is not a cursor this store gave",
+    )])
+}
+
+/// `None` for the start of a pass; else the nodes' fingerprint, the node
+/// and its `SCAN` cursor.
+fn parse_cursor(bytes: &[u8]) -> Result<Option<(String, usize, u64)>, Error> {
     if bytes.is_empty() {
-        return Ok((0, 0));
+        return Ok(None);
     }
-    let text = std::str::from_utf8(bytes).ok();
-    text.and_then(|text| text.split_once(':'))
-        .and_then(|(node, at)| Some((node.parse().ok()?, at.parse().ok()?)))
-        .ok_or_else(|| {
-            Error::InvalidArgument(vec![crate::error::FieldViolation::new(
-                "cursor",
-                "is not a cursor this store gave",
-            )])
-        })
+    let parts = std::str::from_utf8(bytes).ok().and_then(|text| {
+        let mut parts = text.splitn(3, ':');
+        let fingerprint = parts.next()?.to_owned();
+        Some((
+            fingerprint,
+            parts.next()?.parse().ok()?,
+            parts.next()?.parse().ok()?,
+        ))
+    });
+    parts.map(Some).ok_or_else(not_a_cursor)
 }
