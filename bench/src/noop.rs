@@ -73,6 +73,10 @@ impl ClaimAndCommit for NoopService {
         Ok(Response::new(pb::ForgetResponse::default()))
     }
 
+    async fn rekey(&self, _: Request<pb::RekeyRequest>) -> Answer<pb::RekeyResponse> {
+        Ok(Response::new(pb::RekeyResponse::default()))
+    }
+
     async fn claim_batch(
         &self,
         request: Request<pb::ClaimBatchRequest>,
