@@ -707,6 +707,25 @@ fn cli(addr: SocketAddr, args: &[&str]) -> (i32, String, String) {
     )
 }
 
+/// Claims `id` and commits `response` through the CLI.
+fn cli_commit(addr: SocketAddr, id: &str, response: &str) {
+    let (_, stdout, _) = cli(addr, &["claim", id, "--json"]);
+    let claimed: Value = serde_json::from_str(&stdout).unwrap();
+    let token = claimed["lease_token"].as_str().unwrap().to_owned();
+    let (code, stdout, _) = cli(
+        addr,
+        &[
+            "commit",
+            id,
+            "--lease-token",
+            &token,
+            "--response",
+            response,
+        ],
+    );
+    assert_eq!(code, 0, "{stdout}");
+}
+
 #[test]
 fn cli_claims_commits_and_reports_outcomes_with_exit_codes() {
     let dir = tempfile::tempdir().unwrap();
@@ -895,21 +914,7 @@ fn cli_shows_an_erased_answer_as_erased() {
         .to_string();
     let data = dir.path().join("data");
     let mut sealing = Sidecar::start_with(&data, &["--encryption-key-file", key.to_str().unwrap()]);
-    let (_, stdout, _) = cli(sealing.addr, &["claim", "card-1", "--json"]);
-    let claimed: Value = serde_json::from_str(&stdout).unwrap();
-    let token = claimed["lease_token"].as_str().unwrap().to_owned();
-    let (code, stdout, _) = cli(
-        sealing.addr,
-        &[
-            "commit",
-            "card-1",
-            "--lease-token",
-            &token,
-            "--response",
-            "4242",
-        ],
-    );
-    assert_eq!(code, 0, "{stdout}");
+    cli_commit(sealing.addr, "card-1", "4242");
     let (code, _) = common::sidecar::terminate(&mut sealing, Duration::from_secs(15));
     assert_eq!(code, Some(0));
     drop(sealing);
@@ -932,23 +937,8 @@ fn rekey_reseals_with_the_new_key_so_the_old_one_can_go() {
     std::fs::write(&new, "b2".repeat(32)).unwrap();
     let data = dir.path().join("data");
     let flag = |path: &std::path::Path| path.to_str().unwrap().to_owned();
-    let commit = |sidecar: &Sidecar, id: &str| {
-        let (_, stdout, _) = cli(sidecar.addr, &["claim", id, "--json"]);
-        let claimed: Value = serde_json::from_str(&stdout).unwrap();
-        let token = claimed["lease_token"].as_str().unwrap().to_owned();
-        let (code, stdout, _) = cli(
-            sidecar.addr,
-            &[
-                "commit",
-                id,
-                "--lease-token",
-                &token,
-                "--response",
-                &format!("answer {id}"),
-            ],
-        );
-        assert_eq!(code, 0, "{stdout}");
-    };
+    let commit =
+        |sidecar: &Sidecar, id: &str| cli_commit(sidecar.addr, id, &format!("answer {id}"));
     let stop = |mut sidecar: Sidecar| {
         let (code, log) = common::sidecar::terminate(&mut sidecar, Duration::from_secs(15));
         assert_eq!(code, Some(0), "{log}");
@@ -1016,21 +1006,7 @@ fn a_sidecar_without_a_key_its_store_needs_refuses_to_start() {
     let data = dir.path().join("data");
     let path = |p: &std::path::Path| p.to_str().unwrap().to_owned();
     let mut sealing = Sidecar::start_with(&data, &["--encryption-key-file", &path(&a)]);
-    let (_, stdout, _) = cli(sealing.addr, &["claim", "k-1", "--json"]);
-    let claimed: Value = serde_json::from_str(&stdout).unwrap();
-    let token = claimed["lease_token"].as_str().unwrap().to_owned();
-    let (code, _, _) = cli(
-        sealing.addr,
-        &[
-            "commit",
-            "k-1",
-            "--lease-token",
-            &token,
-            "--response",
-            "sealed",
-        ],
-    );
-    assert_eq!(code, 0);
+    cli_commit(sealing.addr, "k-1", "sealed");
     let (code, _) = common::sidecar::terminate(&mut sealing, Duration::from_secs(15));
     assert_eq!(code, Some(0));
     drop(sealing);
@@ -1087,23 +1063,7 @@ fn a_key_added_to_the_directory_seals_without_a_restart() {
             "100ms",
         ],
     );
-    let commit = |id: &str| {
-        let (_, stdout, _) = cli(sidecar.addr, &["claim", id, "--json"]);
-        let claimed: Value = serde_json::from_str(&stdout).unwrap();
-        let token = claimed["lease_token"].as_str().unwrap().to_owned();
-        let (code, stdout, _) = cli(
-            sidecar.addr,
-            &[
-                "commit",
-                id,
-                "--lease-token",
-                &token,
-                "--response",
-                &format!("answer {id}"),
-            ],
-        );
-        assert_eq!(code, 0, "{stdout}");
-    };
+    let commit = |id: &str| cli_commit(sidecar.addr, id, &format!("answer {id}"));
     commit("k-1");
     std::fs::write(keys.join("2027.key"), "f6".repeat(32)).unwrap();
     // Re-sealing finds k-1 once the new key is in force.
