@@ -30,6 +30,9 @@ use crate::{
     telemetry,
 };
 
+/// Lazy re-seals of replayed answers under way at once, at most.
+const LAZY_RESEALS: usize = 4;
+
 /// The deduplication engine over one store.
 pub struct Engine<S> {
     store: Arc<S>,
@@ -44,6 +47,8 @@ pub struct Engine<S> {
     /// The sealing keys this engine registered in the store, and when
     /// ([`crate::key_registry`]).
     registered: Arc<Mutex<HashMap<KeyId, UnixMillis>>>,
+    /// Lazy re-seals under way ([`Engine::reseal_later`]).
+    resealing: Arc<tokio::sync::Semaphore>,
 }
 
 impl<S> fmt::Debug for Engine<S> {
@@ -65,6 +70,7 @@ impl<S> Clone for Engine<S> {
             keyring: self.keyring.clone(),
             ids: self.ids.clone(),
             registered: Arc::clone(&self.registered),
+            resealing: Arc::clone(&self.resealing),
         }
     }
 }
@@ -79,6 +85,7 @@ impl<S: Store> Engine<S> {
             keyring: None,
             ids: None,
             registered: Arc::default(),
+            resealing: Arc::new(tokio::sync::Semaphore::new(LAZY_RESEALS)),
         }
     }
 
@@ -388,6 +395,91 @@ impl<S: Store> Engine<S> {
         ))
     }
 
+    /// `record` (read under `stored_key`) with its answer sealed anew under
+    /// its namespace's current key, when it is a live committed answer
+    /// under another key: opened, sealed, and swapped in only while the
+    /// record is still the one read ([`machine::reseal`]). The rule a rekey
+    /// pass and the lazy re-seal of a replayed answer share.
+    async fn reseal(
+        &self,
+        keyring: &Keyring,
+        stored_key: &Key,
+        record: &Record,
+        now: Now,
+    ) -> Result<Resealed, Error> {
+        // Keys as the store holds them: a sealed answer is bound to those
+        // (see `commit_unsynced`), hashed IDs included.
+        let answered = machine::live(Some(record), now)
+            .is_some_and(|record| record.state == RecordState::Committed);
+        if !answered || !sealing::looks_sealed(&record.response) {
+            return Ok(Resealed::NotSealed);
+        }
+        let current = keyring.sealing_id_for(stored_key.namespace());
+        if Keyring::key_id(&record.response).is_ok_and(|id| id == current) {
+            return Ok(Resealed::Current);
+        }
+        let binding = Binding {
+            key: stored_key,
+            lease_token: record.lease_token,
+        };
+        let answer = match keyring.open(&binding, &record.response) {
+            Ok(answer) => answer,
+            Err(Unsealable::Erased(_)) => return Ok(Resealed::Erased),
+            Err(problem) => {
+                tracing::warn!(key = %stored_key, %problem, "an answer that cannot be opened is not re-sealed");
+                return Ok(Resealed::Unreadable);
+            }
+        };
+        let resealed = keyring.seal(&binding, &answer);
+        let mut at = now;
+        let replaced = self
+            .store
+            .update(stored_key, |current, attempt| {
+                let now = self.attempt_time(&mut at, &attempt)?;
+                Ok(machine::reseal(current, record, &resealed, now))
+            })
+            .await?;
+        Ok(if replaced {
+            Resealed::Replaced
+        } else {
+            Resealed::Current
+        })
+    }
+
+    /// Whether `record`'s answer is sealed under a key other than the one
+    /// that seals `key`'s namespace now.
+    fn under_older_key(&self, key: &Key, record: &Record) -> bool {
+        let Some(keyring) = self.keyring().filter(|keyring| keyring.seals()) else {
+            return false;
+        };
+        let current = keyring.sealing_id_for(key.namespace());
+        Keyring::key_id(&record.response).is_ok_and(|id| id != current)
+    }
+
+    /// A replayed answer found under an older key is re-sealed in the
+    /// background (lazily, as it is read: a committed record is never
+    /// written again otherwise), at most a few at once and never waited
+    /// for; a failure leaves it for the next replay or a rekey pass.
+    fn reseal_later(&self, stored_key: Key, record: Record) {
+        let Some(keyring) = self.keyring().filter(|keyring| keyring.seals()) else {
+            return;
+        };
+        let Ok(slot) = Arc::clone(&self.resealing).try_acquire_owned() else {
+            return;
+        };
+        let engine = self.clone();
+        tokio::spawn(async move {
+            let _slot = slot;
+            let resealed = match engine.decision_time() {
+                Ok(now) => engine.reseal(&keyring, &stored_key, &record, now).await,
+                Err(error) => Err(error),
+            };
+            if let Err(error) = resealed {
+                tracing::debug!(%error, "a replayed answer was not re-sealed; left for later");
+            }
+        });
+    }
+
     /// One page of a rekey pass: every committed answer among about
     /// `limit` stored records from `cursor` on that is sealed with a key
     /// other than its namespace's sealing key is opened and sealed anew with
@@ -418,51 +510,17 @@ impl<S: Store> Engine<S> {
             ..RekeyPage::default()
         };
         for stored_key in &scanned.keys {
-            // Keys as the store holds them: a sealed answer is bound to
-            // those (see `commit_unsynced`), hashed IDs included. One record
-            // read at a time: a page's memory does not grow with answers.
+            // One record read at a time: a page's memory does not grow with
+            // the answers stored.
             let Some(record) = self.store.get(stored_key).await? else {
                 continue;
             };
-            let answered = machine::live(Some(&record), now)
-                .is_some_and(|record| record.state == RecordState::Committed);
-            if !answered || !sealing::looks_sealed(&record.response) {
-                continue;
-            }
-            let current = keyring.sealing_id_for(stored_key.namespace());
-            if Keyring::key_id(&record.response).is_ok_and(|id| id == current) {
-                page.current += 1;
-                continue;
-            }
-            let binding = Binding {
-                key: stored_key,
-                lease_token: record.lease_token,
-            };
-            let answer = match keyring.open(&binding, &record.response) {
-                Ok(answer) => answer,
-                Err(Unsealable::Erased(_)) => {
-                    page.erased += 1;
-                    continue;
-                }
-                Err(problem) => {
-                    tracing::warn!(key = %stored_key, %problem, "rekey leaves an answer it cannot open");
-                    page.unreadable += 1;
-                    continue;
-                }
-            };
-            let resealed = keyring.seal(&binding, &answer);
-            let mut at = now;
-            let replaced = self
-                .store
-                .update(stored_key, |current, attempt| {
-                    let now = self.attempt_time(&mut at, &attempt)?;
-                    Ok(machine::reseal(current, &record, &resealed, now))
-                })
-                .await?;
-            if replaced {
-                page.resealed += 1;
-            } else {
-                page.current += 1;
+            match self.reseal(&keyring, stored_key, &record, now).await? {
+                Resealed::NotSealed => {}
+                Resealed::Current => page.current += 1,
+                Resealed::Replaced => page.resealed += 1,
+                Resealed::Erased => page.erased += 1,
+                Resealed::Unreadable => page.unreadable += 1,
             }
         }
         if retire_old_keys && page.next.is_none() && page.unreadable == 0 {
@@ -510,9 +568,18 @@ impl<S: Store> Engine<S> {
             .await?;
         self.count(&request.key, outcome.kind());
         match outcome {
-            ClaimOutcome::Duplicate { record } => Ok(ClaimOutcome::Duplicate {
-                record: self.opened(&request.key, record)?,
-            }),
+            ClaimOutcome::Duplicate { record } => {
+                // Copied only when it is under an older key (rare after a
+                // rotation): the copy is what the re-seal swaps against.
+                let stale = self
+                    .under_older_key(&request.key, &record)
+                    .then(|| record.clone());
+                let opened = self.opened(&request.key, record)?;
+                if let Some(stale) = stale.filter(|_| !opened.response_erased) {
+                    self.reseal_later(self.stored_key(&request.key).into_owned(), stale);
+                }
+                Ok(ClaimOutcome::Duplicate { record: opened })
+            }
             ClaimOutcome::FingerprintMismatch { record } => Ok(ClaimOutcome::FingerprintMismatch {
                 record: self.opened(&request.key, record)?,
             }),
@@ -686,6 +753,20 @@ impl<S: Store> Engine<S> {
             })
             .await
     }
+}
+
+/// What [`Engine::reseal`] did with one record.
+enum Resealed {
+    /// No live committed answer in the sealed format: nothing to do.
+    NotSealed,
+    /// Under its namespace's current key already (or changed meanwhile).
+    Current,
+    /// Sealed anew under the current key.
+    Replaced,
+    /// Under a key declared destroyed: left erased.
+    Erased,
+    /// Would not open: left as it is (logged).
+    Unreadable,
 }
 
 /// What one page of a rekey pass did ([`Engine::rekey`]).

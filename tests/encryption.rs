@@ -975,3 +975,54 @@ async fn hashed_ids_reach_every_call() {
     assert!(server.store.get(&plain).await.expect("get").is_none());
     server.stop().await.expect("clean stop");
 }
+
+/// A replayed answer under an older key is re-sealed under the current one
+/// as it is read (in the background), and still replays; one under the
+/// current key is left as it is.
+#[tokio::test]
+async fn a_replayed_answer_is_resealed_lazily_under_the_new_key() {
+    let (old_key, new_key) = ([0x51; 32], [0x52; 32]);
+    let new_id = Keyring::from_bytes(&[new_key]).unwrap().sealing_id();
+    let mut server = TestServer::builder()
+        .config(move |config| {
+            config.keyring = Some(Arc::new(Keyring::from_bytes(&[old_key]).unwrap()))
+        })
+        .start()
+        .await;
+    commit_and_replay(&server, "lazy-1", b"answer one").await;
+    let (dir, clock, space) = (
+        Arc::clone(&server.dir),
+        server.clock.clone(),
+        server.store.test_space(),
+    );
+    server.stop_in_place().await.expect("clean stop");
+    drop(server);
+
+    let server = TestServer::builder()
+        .in_dir(dir, clock)
+        .in_space(space)
+        .config(move |config| {
+            let keyring = Keyring::from_bytes(&[old_key, new_key]).unwrap();
+            config.keyring = Some(Arc::new(keyring))
+        })
+        .start()
+        .await;
+    let before = stored_answer(server.store.as_ref(), "lazy-1").await;
+    assert_ne!(Keyring::key_id(&before).unwrap(), new_id);
+    let mut client = server.client().await;
+    let replay = claim(&mut client, claim_request("lazy-1")).await;
+    assert_eq!(replay.record.unwrap().response, b"answer one");
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let stored = stored_answer(server.store.as_ref(), "lazy-1").await;
+        if Keyring::key_id(&stored).unwrap() == new_id {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never re-sealed");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let again = claim(&mut client, claim_request("lazy-1")).await;
+    assert_eq!(outcome(&again), pb::ClaimOutcome::Duplicate);
+    assert_eq!(again.record.unwrap().response, b"answer one");
+    server.stop().await.expect("clean stop");
+}
