@@ -480,6 +480,64 @@ impl<S: Store> Engine<S> {
         });
     }
 
+    /// The start-up check of ID hashing: the store remembers the check value
+    /// of the key its correlation IDs are hashed with (written by the first
+    /// sidecar that hashes them); a sidecar with another key, or without
+    /// one, would find no stored record and process every event within
+    /// retention again — `Err` is one line for the operator (exit 64). A
+    /// store that cannot be read or written now is not checked.
+    pub async fn check_id_hashing(&self) -> Result<(), String> {
+        let key = key_registry::id_hashing_key();
+        let mine = self.ids.as_ref().map(|ids| ids.check_value());
+        let now = self.clock.interval().latest;
+        let stored = match &mine {
+            // The first to hash them says so; a record already there wins.
+            Some(check) => {
+                self.store
+                    .update(&key, |current, _| {
+                        Ok(match current {
+                            Some(current) => {
+                                (machine::Change::Keep, Some(current.response.clone()))
+                            }
+                            None => (
+                                machine::Change::Put(key_registry::id_hashing_record(check, now)),
+                                None,
+                            ),
+                        })
+                    })
+                    .await
+            }
+            None => self
+                .store
+                .get(&key)
+                .await
+                .map(|record| record.map(|record| record.response)),
+        };
+        let stored = match stored {
+            Ok(stored) => stored.map(|bytes| String::from_utf8_lossy(&bytes).into_owned()),
+            Err(error) => {
+                tracing::warn!(%error, "the store's ID hashing could not be checked at start");
+                return Ok(());
+            }
+        };
+        match (stored, mine) {
+            (None, _) => Ok(()),
+            (Some(stored), Some(mine)) if stored == mine => Ok(()),
+            (Some(_), Some(_)) => Err(
+                "the store's correlation IDs are hashed with another key than \
+                 --hash-correlation-ids gives: no stored record would be found, and every event \
+                 within retention would be processed again; give the key they were hashed with"
+                    .into(),
+            ),
+            (Some(_), None) => Err(
+                "the store's correlation IDs are hashed (--hash-correlation-ids): without that key \
+                 no stored record would be found, and every event within retention would be \
+                 processed again; give it"
+                    .into(),
+            ),
+        }
+    }
+
     /// One page of a rekey pass: every committed answer among about
     /// `limit` stored records from `cursor` on that is sealed with a key
     /// other than its namespace's sealing key is opened and sealed anew with

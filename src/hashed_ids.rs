@@ -56,6 +56,20 @@ impl IdHasher {
         }
     }
 
+    /// A value that names the hashing key without revealing it (16 hex
+    /// digits): kept in the store, so a sidecar started with another key
+    /// is refused instead of finding no record and processing every event
+    /// again.
+    pub fn check_value(&self) -> String {
+        let mut mac = self.mac.clone();
+        mac.update(b"dedupd correlation id check v1");
+        let digest = mac.finalize().into_bytes();
+        digest[..8]
+            .iter()
+            .map(|byte| format!("{byte:02x}"))
+            .collect()
+    }
+
     /// The key the store holds for `key`: its namespace as it is (retention,
     /// metrics and the reaper work by namespace), its ID hashed (`h1.` and
     /// 43 base64url characters).

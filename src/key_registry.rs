@@ -32,6 +32,42 @@ pub fn registry_key() -> Key {
     Key::new_unchecked("dedupd".into(), "\u{1}sealing-keys".into())
 }
 
+/// The reserved record naming the key correlation IDs are hashed with
+/// (its check value), once a sidecar hashing them has started.
+pub fn id_hashing_key() -> Key {
+    Key::new_unchecked("dedupd".into(), "\u{1}id-hashing".into())
+}
+
+/// The id-hashing record holding `check` (a hasher's check value).
+pub fn id_hashing_record(check: &str, now: UnixMillis) -> Record {
+    reserved_record(check.as_bytes().to_vec(), now)
+}
+
+/// A reserved record holding `content`: committed, kept long, never
+/// sealed (no caller reaches it; a rekey pass skips it).
+fn reserved_record(content: Vec<u8>, now: UnixMillis) -> Record {
+    Record {
+        state: RecordState::Committed,
+        lease_token: LeaseToken(0),
+        fencing_token: FencingToken(1),
+        lease_expires_at: now,
+        attempt: 1,
+        event_type: String::new(),
+        consumer_version: String::new(),
+        owner: "dedupd".into(),
+        payload_fingerprint: String::new(),
+        claimed_at: now,
+        committed_at: Some(now),
+        retain_until: now.saturating_add(KEPT_FOR),
+        retention: KEPT_FOR,
+        response: content,
+        ordering: None,
+        request_id: String::new(),
+        recovered: false,
+        response_erased: false,
+    }
+}
+
 /// Key ID → when it last sealed an answer.
 pub type Registered = BTreeMap<KeyId, UnixMillis>;
 
@@ -64,26 +100,7 @@ pub fn register(current: Option<&Record>, id: KeyId, now: UnixMillis) -> Result<
         .iter()
         .map(|(id, at)| format!("{id} {}\n", at.0))
         .collect();
-    Ok(Change::Put(Record {
-        state: RecordState::Committed,
-        lease_token: LeaseToken(0),
-        fencing_token: FencingToken(1),
-        lease_expires_at: now,
-        attempt: 1,
-        event_type: String::new(),
-        consumer_version: String::new(),
-        owner: "dedupd".into(),
-        payload_fingerprint: String::new(),
-        claimed_at: now,
-        committed_at: Some(now),
-        retain_until: now.saturating_add(KEPT_FOR),
-        retention: KEPT_FOR,
-        response: text.into_bytes(),
-        ordering: None,
-        request_id: String::new(),
-        recovered: false,
-        response_erased: false,
-    }))
+    Ok(Change::Put(reserved_record(text.into_bytes(), now)))
 }
 
 /// The registry naming only those of `keep` it names (the old keys

@@ -141,8 +141,13 @@ async fn serve_on<S: Store>(store: Arc<S>, settings: &Settings, server: ServerCo
             longest.max(*retention)
         });
     let checking = dedupd::engine::Engine::new(Arc::clone(&store), Arc::clone(&server.clock))
-        .with_keyring(server.keyring.clone());
-    if let Err(line) = checking.check_sealing_keys(longest_retention).await {
+        .with_keyring(server.keyring.clone())
+        .with_hashed_ids(server.hashed_ids.clone());
+    let checked = match checking.check_sealing_keys(longest_retention).await {
+        Ok(()) => checking.check_id_hashing().await,
+        failed => failed,
+    };
+    if let Err(line) = checked {
         eprintln!("dedupd: invalid configuration: {line}");
         return ExitCode::from(EXIT_CONFIG);
     }

@@ -1099,3 +1099,47 @@ fn a_key_added_to_the_directory_seals_without_a_restart() {
     assert!(log.contains("sealing keys reloaded"), "{log}");
     assert!(log.contains("is gone from the key files"), "{log}");
 }
+
+/// The store remembers the key its correlation IDs are hashed with: a
+/// sidecar with another key, or none, exits 64 (it would find no record and
+/// process every event again); with the same key it finds them.
+#[test]
+fn a_sidecar_with_another_id_hashing_key_refuses_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let (first, other) = (dir.path().join("ids.key"), dir.path().join("other.key"));
+    std::fs::write(&first, "17".repeat(32)).unwrap();
+    std::fs::write(&other, "28".repeat(32)).unwrap();
+    let data = dir.path().join("data");
+    let path = |p: &std::path::Path| p.to_str().unwrap().to_owned();
+    let mut hashing = Sidecar::start_with(&data, &["--hash-correlation-ids", &path(&first)]);
+    cli_commit(hashing.addr, "alice@example.com", "done");
+    let (code, _) = common::sidecar::terminate(&mut hashing, Duration::from_secs(15));
+    assert_eq!(code, Some(0));
+    drop(hashing);
+
+    for args in [
+        vec!["--hash-correlation-ids".to_owned(), path(&other)],
+        vec![],
+    ] {
+        let output = Command::new(BINARY)
+            .args(&args)
+            .arg("--data-dir")
+            .arg(&data)
+            .args(["--listen", "127.0.0.1:0"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(64), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("correlation IDs are hashed"),
+            "{args:?}: {stderr}"
+        );
+    }
+    let mut again = Sidecar::start_with(&data, &["--hash-correlation-ids", &path(&first)]);
+    let (code, stdout, _) = cli(again.addr, &["lookup", "alice@example.com", "--json"]);
+    assert_eq!(code, 0, "{stdout}");
+    let looked: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(looked["record"]["response"], "done", "{stdout}");
+    let (code, _) = common::sidecar::terminate(&mut again, Duration::from_secs(15));
+    assert_eq!(code, Some(0));
+}
