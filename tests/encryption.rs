@@ -577,6 +577,9 @@ async fn destroying_a_namespace_key_erases_only_its_answers() {
         .await;
     let mut client = server.client().await;
     commit_in(&mut client, "payments", "evt-0", "card 1111").await;
+    // Never read while payments has a key of its own: no lazy re-seal
+    // moves it under that key, so it outlives that key.
+    commit_in(&mut client, "payments", "evt-00", "card 2222").await;
     let (dir, clock, space) = (
         Arc::clone(&server.dir),
         server.clock.clone(),
@@ -635,7 +638,7 @@ async fn destroying_a_namespace_key_erases_only_its_answers() {
     assert_eq!(orders.response, b"parcel 9");
     let batch = client
         .claim_batch(pb::ClaimBatchRequest {
-            items: vec![replay("payments", "evt-1"), replay("payments", "evt-0")],
+            items: vec![replay("payments", "evt-1"), replay("payments", "evt-00")],
         })
         .await
         .expect("an erased item does not fail the batch")
@@ -647,7 +650,7 @@ async fn destroying_a_namespace_key_erases_only_its_answers() {
     assert_eq!(outcome(&batch[1]), pb::ClaimOutcome::Duplicate);
     let kept = batch[1].record.as_ref().unwrap();
     assert!(!kept.response_erased);
-    assert_eq!(kept.response, b"card 1111");
+    assert_eq!(kept.response, b"card 2222");
     server.stop().await.expect("clean stop");
 }
 
@@ -801,10 +804,8 @@ async fn rotation_under_load_then_rekey_leaves_nothing_under_the_old_key() {
         assert!(rounds >= NEW_PER_WORKER, "{rounds}");
     }
     assert!(pages > 1, "the pass went page by page");
-    assert!(
-        (KEPT as u64..=OLD as u64).contains(&resealed),
-        "every old answer still there re-sealed once: {resealed}"
-    );
+    // Replays re-seal lazily too: the pass re-seals the rest.
+    assert!(resealed <= OLD as u64, "{resealed}");
     // A second pass finds nothing to do.
     let mut cursor = Vec::new();
     loop {
