@@ -30,9 +30,6 @@ use crate::{
     telemetry,
 };
 
-/// Lazy re-seals of replayed answers under way at once, at most.
-const LAZY_RESEALS: usize = 4;
-
 /// The deduplication engine over one store.
 pub struct Engine<S> {
     store: Arc<S>,
@@ -47,8 +44,6 @@ pub struct Engine<S> {
     /// The sealing keys this engine registered in the store, and when
     /// ([`crate::key_registry`]).
     registered: Arc<Mutex<HashMap<KeyId, UnixMillis>>>,
-    /// Lazy re-seals under way ([`Engine::reseal_later`]).
-    resealing: Arc<tokio::sync::Semaphore>,
 }
 
 impl<S> fmt::Debug for Engine<S> {
@@ -70,7 +65,6 @@ impl<S> Clone for Engine<S> {
             keyring: self.keyring.clone(),
             ids: self.ids.clone(),
             registered: Arc::clone(&self.registered),
-            resealing: Arc::clone(&self.resealing),
         }
     }
 }
@@ -85,7 +79,6 @@ impl<S: Store> Engine<S> {
             keyring: None,
             ids: None,
             registered: Arc::default(),
-            resealing: Arc::new(tokio::sync::Semaphore::new(LAZY_RESEALS)),
         }
     }
 
@@ -456,28 +449,22 @@ impl<S: Store> Engine<S> {
         Keyring::key_id(&record.response).is_ok_and(|id| id != current)
     }
 
-    /// A replayed answer found under an older key is re-sealed in the
-    /// background (lazily, as it is read: a committed record is never
-    /// written again otherwise), at most a few at once and never waited
-    /// for; a failure leaves it for the next replay or a rekey pass.
-    fn reseal_later(&self, stored_key: Key, record: Record) {
+    /// A replayed answer found under an older key is re-sealed under the
+    /// current one as it is read (a committed record is never written
+    /// again otherwise): one compare-and-swap on that duplicate's path,
+    /// synced with its answer; a failure only leaves it for the next replay
+    /// or a rekey pass, never fails the call.
+    async fn reseal_replayed(&self, stored_key: &Key, record: &Record) {
         let Some(keyring) = self.keyring().filter(|keyring| keyring.seals()) else {
             return;
         };
-        let Ok(slot) = Arc::clone(&self.resealing).try_acquire_owned() else {
-            return;
+        let resealed = match self.decision_time() {
+            Ok(now) => self.reseal(&keyring, stored_key, record, now).await,
+            Err(error) => Err(error),
         };
-        let engine = self.clone();
-        tokio::spawn(async move {
-            let _slot = slot;
-            let resealed = match engine.decision_time() {
-                Ok(now) => engine.reseal(&keyring, &stored_key, &record, now).await,
-                Err(error) => Err(error),
-            };
-            if let Err(error) = resealed {
-                tracing::debug!(%error, "a replayed answer was not re-sealed; left for later");
-            }
-        });
+        if let Err(error) = resealed {
+            tracing::debug!(%error, "a replayed answer was not re-sealed; left for later");
+        }
     }
 
     /// The start-up check of ID hashing: the store remembers the check value
@@ -634,7 +621,8 @@ impl<S: Store> Engine<S> {
                     .then(|| record.clone());
                 let opened = self.opened(&request.key, record)?;
                 if let Some(stale) = stale.filter(|_| !opened.response_erased) {
-                    self.reseal_later(self.stored_key(&request.key).into_owned(), stale);
+                    self.reseal_replayed(&self.stored_key(&request.key), &stale)
+                        .await;
                 }
                 Ok(ClaimOutcome::Duplicate { record: opened })
             }
